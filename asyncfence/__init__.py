@@ -1,0 +1,42 @@
+"""Await GPU and other device work without blocking the event loop.
+
+A fence marks a point on a device stream; ``await fence`` resumes the coroutine
+once the device has passed it. Waits run natively on asyncio (uvloop included)
+and trio, and so under anyio, without a thread per wait.
+
+Thread-safety: :func:`record`, :func:`configure`, and a fence's ``done()``,
+``wait_sync()`` and ``enqueue_wait()`` may be called from any thread. Awaiting
+happens on an event loop; several loops may await one fence at once.
+"""
+
+from __future__ import annotations
+
+from ._backend import register_backend as _register_backend
+from ._config import Config as Config
+from ._config import configure as configure
+from ._exceptions import DeviceError as DeviceError
+from ._exceptions import FenceError as FenceError
+from ._fence import Fence as Fence
+from ._fence import record as record
+from ._loops import current_statistics as current_statistics
+from ._opencl import OpenCLBackend as _OpenCLBackend
+from ._poller import PollerStatistics as PollerStatistics
+
+__all__ = (
+    "Config",
+    "DeviceError",
+    "Fence",
+    "FenceError",
+    "PollerStatistics",
+    "configure",
+    "current_statistics",
+    "record",
+)
+
+__version__ = "0.1.0"
+
+_register_backend(_OpenCLBackend())
+
+for _name in __all__:
+    globals()[_name].__module__ = "asyncfence"
+del _name

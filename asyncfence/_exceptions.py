@@ -1,0 +1,39 @@
+"""The exception hierarchy shared by every backend."""
+
+from __future__ import annotations
+
+__all__ = ["DeviceError", "FenceError"]
+
+
+class FenceError(Exception):
+    """Base class of every error asyncfence raises about device work.
+
+    Errors about the caller's input are the builtin ``TypeError`` and
+    ``ValueError``, and an expired wait is the builtin ``TimeoutError``.
+    """
+
+
+class DeviceError(FenceError):
+    """The device reported that the work before a fence failed.
+
+    Every waiter on the fence receives its own instance, so tracebacks from
+    different tasks never mix.
+
+    Attributes:
+        backend: The backend that reported it, ``"opencl"`` or ``"cuda"``.
+        code: The backend's numeric code: a negative OpenCL execution status,
+            or a ``CUresult`` value.
+        name: The backend's symbolic name for ``code``, such as
+            ``"CUDA_ERROR_ILLEGAL_ADDRESS"``.
+    """
+
+    def __init__(self, backend: str, code: int, name: str, detail: str = "") -> None:
+        self.backend = backend
+        self.code = code
+        self.name = name
+        self.detail = detail
+        message = f"{backend} device error {code} ({name})"
+        super().__init__(f"{message}: {detail}" if detail else message)
+
+    def __reduce__(self) -> tuple[type[DeviceError], tuple[str, int, str, str]]:
+        return (type(self), (self.backend, self.code, self.name, self.detail))

@@ -1,0 +1,236 @@
+"""Fences: recorded points on a device stream that code can wait for."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Final, NoReturn, final
+
+from ._backend import Backend, Marker, QueueInfo, backend_for
+from ._config import check_timeout
+from ._exceptions import DeviceError
+
+if TYPE_CHECKING:
+    from collections.abc import Generator
+
+    from typing_extensions import Self
+
+__all__ = ["DONE", "FAILED", "PENDING", "Fence", "record"]
+
+PENDING: Final = 0
+DONE: Final = 1
+FAILED: Final = 2
+
+# Guards the one-way transition out of PENDING, so that exactly one thread
+# releases a marker, and no stream_wait ever uses a marker already released
+# (a pooled CUDA event may be recording other work by then).
+_settle_lock = threading.Lock()
+# Record order within a queue; a global counter is enough to order each queue.
+_sequence = itertools.count()
+
+
+@final
+class Fence:
+    """A point on a device stream; awaiting it resumes once the device passed it.
+
+    Make one with :func:`asyncfence.record`. A fence is recorded when it is
+    made, so there is no empty fence to wait on by mistake. Once the device
+    has passed it, it stays done: waiting again returns at once.
+
+    Cancellation: cancelling a wait cancels no device work and leaves other
+    waiters on the same fence waiting.
+
+    Thread-safety: :meth:`done`, :meth:`wait_sync` and :meth:`enqueue_wait`
+    may be called from any thread. ``await`` it from any event loop; several
+    loops may await one fence at once.
+    """
+
+    __slots__ = ("__weakref__", "_backend", "_failure", "_marker", "_queue", "_seq", "_state")
+
+    _backend: Backend
+    _marker: Marker | None
+    _queue: QueueInfo
+    _seq: int
+    _state: int
+    _failure: DeviceError | None
+
+    def __new__(cls, *args: object, **kwargs: object) -> Self:
+        raise TypeError("fences are made by asyncfence.record(stream)")
+
+    @classmethod
+    def _new(cls, backend: Backend, marker: Marker, queue: QueueInfo) -> Self:
+        fence = object.__new__(cls)
+        fence._backend = backend
+        fence._marker = marker
+        fence._queue = queue
+        fence._seq = next(_sequence)
+        fence._state = PENDING
+        fence._failure = None
+        return fence
+
+    def __repr__(self) -> str:
+        state = ("pending", "done", "failed")[self._state]
+        return f"<asyncfence.Fence {self._backend.name} #{self._seq} {state}>"
+
+    def __del__(self) -> None:
+        marker = self._marker
+        if marker is not None:
+            self._backend.release(marker)
+
+    # -- state ----------------------------------------------------------------
+
+    def _poll(self) -> int:
+        """Query the device unless already settled; returns the state."""
+        if self._state != PENDING:
+            return self._state
+        marker = self._marker
+        assert marker is not None
+        try:
+            if not self._backend.query(marker):
+                return PENDING
+        except DeviceError as error:
+            self._settle(FAILED, error)
+        else:
+            self._settle(DONE, None)
+        return self._state
+
+    def _settle(self, state: int, failure: DeviceError | None) -> None:
+        with _settle_lock:
+            if self._state != PENDING:
+                return
+            marker, self._marker = self._marker, None
+            self._failure = failure
+            self._state = state
+        assert marker is not None
+        self._backend.release(marker)
+
+    def _error(self) -> DeviceError:
+        """A fresh copy of the failure, so each waiter gets its own traceback."""
+        failure = self._failure
+        assert failure is not None
+        return copy.copy(failure).with_traceback(None)
+
+    def _raise_failure(self) -> NoReturn:
+        raise self._error()
+
+    # -- public API ------------------------------------------------------------
+
+    def done(self) -> bool:
+        """Whether the device has passed this fence. Never blocks.
+
+        Raises:
+            DeviceError: The work before the fence failed.
+        """
+        state = self._poll()
+        if state == FAILED:
+            self._raise_failure()
+        return state == DONE
+
+    def wait_sync(self, timeout: float | None = None) -> None:
+        """Block the calling thread until the device has passed this fence.
+
+        For synchronous code and worker threads; in a coroutine, ``await`` the
+        fence instead. The wait stays interruptible (``KeyboardInterrupt``).
+
+        Args:
+            timeout: Seconds to wait at most; ``None`` waits without limit.
+
+        Raises:
+            TimeoutError: The timeout expired first. The fence stays valid.
+            DeviceError: The work before the fence failed.
+        """
+        limit = check_timeout(timeout)
+        deadline = time.monotonic() + limit
+        while True:
+            state = self._poll()
+            if state == DONE:
+                return
+            if state == FAILED:
+                self._raise_failure()
+            marker = self._marker
+            remaining = deadline - time.monotonic() if limit != math.inf else math.inf
+            if marker is None:
+                continue  # settled by another thread meanwhile
+            expired = remaining <= 0 or not self._backend.synchronize(marker, remaining)
+            if expired and self._poll() == PENDING:
+                raise TimeoutError(f"{self!r} did not complete within {timeout} s")
+
+    def enqueue_wait(self, stream: object) -> None:
+        """Make ``stream`` wait on the device for this fence. Never blocks the host.
+
+        Work queued on ``stream`` after this call starts only once the device
+        has passed the fence. A fence already done adds nothing.
+
+        Args:
+            stream: A stream of the same backend as the fence. OpenCL queues
+                must also share the fence's context; CUDA streams may be on
+                any context or device.
+
+        Raises:
+            TypeError: ``stream`` is not a stream of the fence's backend.
+            ValueError: ``stream`` cannot wait for this fence (other context).
+            DeviceError: The work before the fence failed.
+        """
+        if not self._backend.claims(stream):
+            raise TypeError(
+                f"a {self._backend.name} fence can only be waited on by "
+                f"{self._backend.accepts}; got {type(stream).__qualname__} object"
+            )
+        with _settle_lock:
+            marker = self._marker
+            if marker is not None:
+                self._backend.stream_wait(marker, self._queue, stream)
+                return
+        if self._state == FAILED:
+            self._raise_failure()
+
+    async def wait(self, timeout: float | None = None) -> None:
+        """Wait until the device has passed this fence, without blocking the loop.
+
+        Works under asyncio (uvloop included) and trio, and so under anyio. No
+        thread is spent on the wait. It is always a checkpoint, even when the
+        fence is already done.
+
+        Cancellation: cancelling the wait cancels no device work and does not
+        disturb other tasks waiting on the fence; the cancellation propagates.
+
+        Args:
+            timeout: Seconds to wait at most; ``None`` waits without limit.
+
+        Raises:
+            TimeoutError: The timeout expired first. The fence stays valid and
+                can be awaited again.
+            DeviceError: The work before the fence failed.
+        """
+        from ._loops import wait_for_fence
+
+        await wait_for_fence(self, check_timeout(timeout))
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.wait().__await__()
+
+
+def record(stream: object) -> Fence:
+    """Record a fence at the current end of the work queued on ``stream``.
+
+    Args:
+        stream: A ``pyopencl.CommandQueue``, or a CUDA stream.
+
+    Returns:
+        A fence that completes once the device has passed all work queued on
+        ``stream`` before this call.
+
+    Raises:
+        TypeError: ``stream`` is not a stream any backend accepts; the message
+            names the accepted types.
+        DeviceError: The backend failed to record.
+
+    Thread-safety: safe to call from any thread; the fence may be awaited on
+    any loop.
+    """
+    backend = backend_for(stream)
+    marker, queue = backend.record(stream)
+    return Fence._new(backend, marker, queue)

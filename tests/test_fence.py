@@ -1,0 +1,500 @@
+"""The fence core on OpenCL (PoCL), under asyncio, uvloop and trio."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import TYPE_CHECKING
+
+import anyio
+import pytest
+
+import asyncfence
+from asyncfence import DeviceError, Fence
+from asyncfence.testing import hold
+
+from .conftest import poller_ticks, until
+
+if TYPE_CHECKING:
+    import pyopencl as cl
+
+    from asyncfence.testing import OpenCLDevice
+
+
+# -- pending versus done -------------------------------------------------------
+
+
+async def test_fence_on_idle_queue_completes(queue: cl.CommandQueue) -> None:
+    fence = asyncfence.record(queue)
+    await fence
+    assert fence.done()
+
+
+async def test_waiter_stays_pending_until_the_queue_is_released(queue: cl.CommandQueue) -> None:
+    resumed = anyio.Event()
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+
+        async def waiter() -> None:
+            await fence
+            resumed.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await until(lambda: asyncfence.current_statistics().waiters == 1)
+            await poller_ticks(5)
+            assert not resumed.is_set()
+            assert not fence.done()
+            gate.release()
+            with anyio.fail_after(10):
+                await resumed.wait()
+    assert fence.done()
+
+
+async def test_fence_waits_for_work_queued_before_it(
+    device: OpenCLDevice, queue: cl.CommandQueue
+) -> None:
+    work = device.launch_busy(queue, 0.01)
+    fence = asyncfence.record(queue)
+    await fence
+    assert work.command_execution_status == 0
+
+
+async def test_hundred_waiters_on_one_fence_all_resume(queue: cl.CommandQueue) -> None:
+    resumed = 0
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+
+        async def waiter() -> None:
+            nonlocal resumed
+            await fence
+            resumed += 1
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(100):
+                tg.start_soon(waiter)
+            await until(lambda: asyncfence.current_statistics().waiters == 100)
+            assert asyncfence.current_statistics().pending_fences == 1
+            assert resumed == 0
+            gate.release()
+    assert resumed == 100
+
+
+async def test_waiting_again_on_a_done_fence_returns(queue: cl.CommandQueue) -> None:
+    fence = asyncfence.record(queue)
+    await fence
+    await fence
+    await fence.wait(timeout=0)
+    assert fence.done()
+
+
+# -- checkpoints and cancellation ------------------------------------------------
+
+
+async def test_awaiting_a_done_fence_is_a_checkpoint(queue: cl.CommandQueue) -> None:
+    fence = asyncfence.record(queue)
+    await fence
+    reached = False
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await fence
+        reached = True
+    assert scope.cancelled_caught
+    assert not reached
+
+
+async def test_awaiting_a_done_fence_lets_other_tasks_run(queue: cl.CommandQueue) -> None:
+    fence = asyncfence.record(queue)
+    await fence
+    ran = False
+
+    async def other() -> None:
+        nonlocal ran
+        ran = True
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)
+        while not ran:
+            await fence  # would spin forever if it never yielded
+    assert ran
+
+
+async def test_cancelling_one_waiter_leaves_the_others_waiting(queue: cl.CommandQueue) -> None:
+    outcomes: dict[str, str] = {}
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+
+        async def waiter(name: str, scope: anyio.CancelScope) -> None:
+            with scope:
+                await fence
+                outcomes[name] = "resumed"
+                return
+            outcomes[name] = "cancelled"
+
+        scopes = {name: anyio.CancelScope() for name in ("a", "b", "c")}
+        async with anyio.create_task_group() as tg:
+            for name, scope in scopes.items():
+                tg.start_soon(waiter, name, scope)
+            await until(lambda: asyncfence.current_statistics().waiters == 3)
+            scopes["b"].cancel()
+            await until(lambda: "b" in outcomes)
+            assert asyncfence.current_statistics().waiters == 2
+            await poller_ticks(3)
+            assert "a" not in outcomes
+            assert "c" not in outcomes
+            assert not fence.done()  # cancelling a wait cancelled no device work
+            gate.release()
+    assert outcomes == {"a": "resumed", "b": "cancelled", "c": "resumed"}
+
+
+async def test_cancelling_every_waiter_stops_the_poller(queue: cl.CommandQueue) -> None:
+    with hold(queue):
+        fence = asyncfence.record(queue)
+        with anyio.move_on_after(0.01):
+            await fence
+        stats = asyncfence.current_statistics()
+        assert (stats.waiters, stats.pending_fences) == (0, 0)
+        await until(lambda: not asyncfence.current_statistics().running)
+    await fence
+
+
+# -- timeouts --------------------------------------------------------------------
+
+
+async def test_timeout_then_a_second_await(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        with pytest.raises(TimeoutError):
+            await fence.wait(timeout=0.01)
+        with pytest.raises(TimeoutError):
+            await fence.wait(timeout=0)
+        assert asyncfence.current_statistics().waiters == 0
+        assert not fence.done()
+        gate.release()
+        await fence.wait(timeout=30)
+    assert fence.done()
+
+
+async def test_infinite_timeout_means_no_limit(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fence.wait, math.inf)
+            await until(lambda: asyncfence.current_statistics().waiters == 1)
+            gate.release()
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (-1, ValueError),
+        (-0.5, ValueError),
+        (math.nan, ValueError),
+        ("1", TypeError),
+        (True, TypeError),
+    ],
+)
+async def test_bad_timeouts_are_refused(
+    queue: cl.CommandQueue, bad: object, error: type[Exception]
+) -> None:
+    fence = asyncfence.record(queue)
+    with pytest.raises(error, match="timeout"):
+        await fence.wait(timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(error, match="timeout"):
+        fence.wait_sync(timeout=bad)  # type: ignore[arg-type]
+
+
+# -- failures -------------------------------------------------------------------
+
+
+async def test_a_failed_user_event_raises_device_error_in_every_waiter(
+    queue: cl.CommandQueue,
+) -> None:
+    errors: list[BaseException] = []
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+
+        async def waiter() -> None:
+            try:
+                await fence
+            except DeviceError as error:
+                errors.append(error)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                tg.start_soon(waiter)
+            await until(lambda: asyncfence.current_statistics().waiters == 5)
+            gate.fail(-5)
+    assert len(errors) == 5
+    assert len({id(error) for error in errors}) == 5  # each waiter its own instance
+    for error in errors:
+        assert isinstance(error, DeviceError)
+        assert error.backend == "opencl"
+        assert error.code < 0
+        assert error.name.startswith("CL_")
+    with pytest.raises(DeviceError):
+        fence.done()
+    with pytest.raises(DeviceError):
+        fence.wait_sync()
+    with pytest.raises(DeviceError):
+        await fence
+    with pytest.raises(DeviceError):
+        fence.enqueue_wait(queue)
+
+
+async def test_failure_reaches_fences_recorded_after_it(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fences = [asyncfence.record(queue) for _ in range(3)]
+        gate.fail()
+    for fence in fences:
+        with pytest.raises(DeviceError):
+            await fence
+
+
+def test_device_error_pickles() -> None:
+    import pickle
+
+    error = DeviceError("cuda", 700, "CUDA_ERROR_ILLEGAL_ADDRESS", "detail")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.backend, copy.code, copy.name, str(copy)) == (
+        "cuda",
+        700,
+        "CUDA_ERROR_ILLEGAL_ADDRESS",
+        str(error),
+    )
+
+
+# -- bad input ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [object(), 3.5, "queue", None, b"", [1]])
+def test_record_refuses_what_is_not_a_stream(stream: object) -> None:
+    with pytest.raises(TypeError, match=r"pyopencl\.CommandQueue"):
+        asyncfence.record(stream)
+
+
+def test_fences_have_no_public_constructor() -> None:
+    with pytest.raises(TypeError, match=r"asyncfence\.record"):
+        Fence()
+
+
+def test_awaiting_without_an_event_loop_is_a_clear_error(queue: cl.CommandQueue) -> None:
+    with hold(queue):
+        fence = asyncfence.record(queue)
+        coroutine = fence.wait()
+        with pytest.raises(RuntimeError, match="event loop"):
+            coroutine.send(None)
+
+
+# -- threads --------------------------------------------------------------------
+
+
+async def test_fence_recorded_on_a_worker_thread(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fence = await anyio.to_thread.run_sync(asyncfence.record, queue)
+        assert not fence.done()
+        gate.release()
+        await fence
+    assert fence.done()
+
+
+async def test_fences_recorded_by_many_threads_while_the_loop_awaits(
+    device: OpenCLDevice,
+) -> None:
+    queues = [device.new_stream() for _ in range(4)]
+    fences: list[Fence] = []
+    lock = threading.Lock()
+    with hold(queues[0]) as gate:
+
+        def recorder(index: int) -> None:
+            for _ in range(25):
+                fence = asyncfence.record(queues[index % len(queues)])
+                with lock:
+                    fences.append(fence)
+
+        threads = [threading.Thread(target=recorder, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+
+        def join_all() -> None:
+            for thread in threads:
+                thread.join()
+
+        await anyio.to_thread.run_sync(join_all)
+        assert len(fences) == 200
+        held = [fence for fence in fences if fence._queue.key == queues[0].int_ptr]
+        assert held
+        assert not any(fence.done() for fence in held)
+        gate.release()
+        async with anyio.create_task_group() as tg:
+            for fence in fences:
+                tg.start_soon(fence.wait)
+    assert all(fence.done() for fence in fences)
+
+
+def test_wait_sync_blocks_until_released(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        with pytest.raises(TimeoutError):
+            fence.wait_sync(timeout=0.01)
+        threading.Timer(0.0, gate.release).start()
+        fence.wait_sync(timeout=30)
+    assert fence.done()
+
+
+def test_wait_sync_sees_a_failure(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        threading.Timer(0.0, gate.fail).start()
+        with pytest.raises(DeviceError):
+            fence.wait_sync(timeout=30)
+
+
+# -- the poller -----------------------------------------------------------------
+
+
+async def test_poller_checks_one_fence_per_in_order_queue_per_tick(
+    device: OpenCLDevice,
+) -> None:
+    queues = [device.new_stream() for _ in range(3)]
+    gates = [hold(q) for q in queues]
+    handles = [gate.__enter__() for gate in gates]
+    try:
+        fences = [asyncfence.record(q) for q in queues for _ in range(50)]
+        async with anyio.create_task_group() as tg:
+            for fence in fences:
+                tg.start_soon(fence.wait)
+            await until(lambda: asyncfence.current_statistics().waiters == len(fences))
+            before = asyncfence.current_statistics()
+            await poller_ticks(5)
+            after = asyncfence.current_statistics()
+            assert after.pending_fences == 150
+            assert after.queues == 3
+            assert after.queries - before.queries == 3 * (after.ticks - before.ticks)
+            for handle in handles:
+                handle.release()
+    finally:
+        for gate in gates:
+            gate.__exit__(None, None, None)
+    assert all(fence.done() for fence in fences)
+
+
+async def test_poller_checks_every_fence_on_an_out_of_order_queue(
+    unordered_queue: cl.CommandQueue,
+) -> None:
+    with hold(unordered_queue) as gate:
+        fences = [asyncfence.record(unordered_queue) for _ in range(5)]
+        async with anyio.create_task_group() as tg:
+            for fence in fences:
+                tg.start_soon(fence.wait)
+            await until(lambda: asyncfence.current_statistics().waiters == 5)
+            before = asyncfence.current_statistics()
+            await poller_ticks(5)
+            after = asyncfence.current_statistics()
+            assert after.queries - before.queries == 5 * (after.ticks - before.ticks)
+            gate.release()
+    assert all(fence.done() for fence in fences)
+
+
+async def test_fences_awaited_out_of_record_order(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fences = [asyncfence.record(queue) for _ in range(10)]
+        async with anyio.create_task_group() as tg:
+            for fence in reversed(fences):
+                tg.start_soon(fence.wait)
+            await until(lambda: asyncfence.current_statistics().waiters == 10)
+            gate.release()
+    assert all(fence.done() for fence in fences)
+
+
+async def test_idle_poller_does_no_work(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fence.wait)
+            await until(lambda: asyncfence.current_statistics().running)
+            gate.release()
+    await until(lambda: not asyncfence.current_statistics().running)
+    idle = asyncfence.current_statistics()
+    for _ in range(20):
+        await anyio.sleep(0.001)
+    assert asyncfence.current_statistics() == idle
+    assert (idle.pending_fences, idle.waiters, idle.queues) == (0, 0, 0)
+
+
+async def test_statistics_before_any_wait_are_zero() -> None:
+    stats = asyncfence.current_statistics()
+    assert stats == asyncfence.PollerStatistics()
+
+
+# -- enqueue_wait ---------------------------------------------------------------
+
+
+async def test_enqueue_wait_holds_another_queue(device: OpenCLDevice) -> None:
+    first, second = device.new_stream(), device.new_stream()
+    with hold(first) as gate:
+        fence = asyncfence.record(first)
+        fence.enqueue_wait(second)
+        later = asyncfence.record(second)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(later.wait)
+            await until(lambda: asyncfence.current_statistics().waiters == 1)
+            await poller_ticks(3)
+            assert not later.done()
+            gate.release()
+    assert fence.done()
+    assert later.done()
+
+
+async def test_enqueue_wait_on_a_done_fence_adds_nothing(device: OpenCLDevice) -> None:
+    first, second = device.new_stream(), device.new_stream()
+    fence = asyncfence.record(first)
+    await fence
+    fence.enqueue_wait(second)
+    await asyncfence.record(second)
+
+
+def test_enqueue_wait_refuses_other_streams(device: OpenCLDevice) -> None:
+    import pyopencl as cl
+
+    queue = device.new_stream()
+    with hold(queue):
+        fence = asyncfence.record(queue)
+        with pytest.raises(TypeError, match=r"pyopencl\.CommandQueue"):
+            fence.enqueue_wait(object())
+        other_context = cl.CommandQueue(cl.Context(device.context.devices))
+        with pytest.raises(ValueError, match="context"):
+            fence.enqueue_wait(other_context)
+
+
+# -- lifetime -------------------------------------------------------------------
+
+
+def test_dropping_a_pending_fence_keeps_its_marker_until_it_settles(
+    queue: cl.CommandQueue,
+) -> None:
+    import gc
+
+    from asyncfence._backend import backend_for
+
+    backend = backend_for(queue)
+    parked_before = backend.parked_markers()  # type: ignore[attr-defined]
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        del fence
+        gc.collect()
+        assert backend.parked_markers() == parked_before + 1  # type: ignore[attr-defined]
+        # Failing the gate with the marker released would abort on PoCL 3.0.
+        gate.fail()
+    survivor = asyncfence.record(queue)
+    survivor.wait_sync(timeout=30)
+
+
+def test_repr_names_backend_and_state(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        assert "opencl" in repr(fence)
+        assert "pending" in repr(fence)
+        gate.release()
+    fence.wait_sync(timeout=30)
+    assert "done" in repr(fence)
