@@ -14,7 +14,9 @@ from __future__ import annotations
 from ._backend import register_backend as _register_backend
 from ._config import Config as Config
 from ._config import configure as configure
+from ._cuda import CudaBackend as _CudaBackend
 from ._exceptions import DeviceError as DeviceError
+from ._exceptions import DriverNotFoundError as DriverNotFoundError
 from ._exceptions import FenceError as FenceError
 from ._fence import Fence as Fence
 from ._fence import record as record
@@ -25,6 +27,7 @@ from ._poller import PollerStatistics as PollerStatistics
 __all__ = (
     "Config",
     "DeviceError",
+    "DriverNotFoundError",
     "Fence",
     "FenceError",
     "PollerStatistics",
@@ -36,6 +39,7 @@ __all__ = (
 __version__ = "0.1.0"
 
 _register_backend(_OpenCLBackend())
+_register_backend(_CudaBackend())
 
 for _name in __all__:
     globals()[_name].__module__ = "asyncfence"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DeviceError", "FenceError"]
+__all__ = ["DeviceError", "DriverNotFoundError", "FenceError"]
 
 
 class FenceError(Exception):
@@ -37,3 +37,11 @@ class DeviceError(FenceError):
 
     def __reduce__(self) -> tuple[type[DeviceError], tuple[str, int, str, str]]:
         return (type(self), (self.backend, self.code, self.name, self.detail))
+
+
+class DriverNotFoundError(FenceError):
+    """A device runtime the stream needs is not installed.
+
+    Raised when a CUDA stream is used on a machine without the NVIDIA driver
+    (``libcuda.so.1``). OpenCL keeps working without it.
+    """

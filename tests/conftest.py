@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
 
 import asyncfence
+from asyncfence._devices import CudaDevice
 from asyncfence.testing import OpenCLDevice, open_default_device
 
 if TYPE_CHECKING:
@@ -46,7 +48,9 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
 
 @pytest.fixture(scope="session")
 def device() -> OpenCLDevice:
-    return open_default_device()
+    opened = open_default_device("opencl")
+    assert isinstance(opened, OpenCLDevice)
+    return opened
 
 
 @pytest.fixture
@@ -76,3 +80,74 @@ async def until(predicate: Any) -> None:
     with anyio.fail_after(10):
         while not predicate():  # noqa: ASYNC110 (a predicate, not an event)
             await anyio.sleep(0.0005)
+
+
+# -- CUDA: the real driver on a GPU, else the emulated one -------------------------
+
+_cuda_mode = "none"
+_emulator: Any = None
+
+
+def _real_driver_present() -> bool:
+    return os.path.exists("/dev/nvidiactl")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Choose the CUDA driver before anything loads one: it cannot change later."""
+    global _cuda_mode, _emulator
+    requested = os.environ.get("ASYNCFENCE_CUDA_DRIVER", "auto")
+    if requested not in ("auto", "real", "emulated", "none"):
+        raise pytest.UsageError(
+            f"ASYNCFENCE_CUDA_DRIVER must be auto, real, emulated or none; got {requested!r}"
+        )
+    if requested == "auto":
+        requested = "real" if _real_driver_present() else "emulated"
+    if requested == "emulated":
+        from .cuda_emulator import load
+
+        _emulator = load()
+    _cuda_mode = requested
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if _cuda_mode == "emulated":
+        return f"asyncfence CUDA driver: emulated ({_emulator.path})"
+    if _cuda_mode == "real":
+        return "asyncfence CUDA driver: real (NVIDIA)"
+    return "asyncfence CUDA driver: none (CUDA tests skip)"
+
+
+@pytest.fixture(scope="session")
+def cuda_mode() -> str:
+    """``"real"`` or ``"emulated"``; CUDA tests skip with no driver."""
+    if _cuda_mode == "none":
+        pytest.skip("no CUDA driver in this run (ASYNCFENCE_CUDA_DRIVER=none)")
+    return _cuda_mode
+
+
+@pytest.fixture
+def emulator(cuda_mode: str) -> Any:
+    """The emulated driver's test hooks; skips on a real driver."""
+    if cuda_mode != "emulated":
+        pytest.skip("needs the emulated driver's hooks")
+    return _emulator
+
+
+@pytest.fixture(scope="session")
+def cuda_device_session(cuda_mode: str) -> CudaDevice:
+    return CudaDevice(0)
+
+
+@pytest.fixture
+def cuda_device(cuda_device_session: CudaDevice) -> CudaDevice:
+    cuda_device_session.make_current()
+    return cuda_device_session
+
+
+@pytest.fixture
+def cuda_stream(cuda_device: CudaDevice) -> Iterator[Any]:
+    from cuda.bindings import driver
+
+    stream = cuda_device.new_stream()
+    yield stream
+    driver.cuStreamDestroy(stream)

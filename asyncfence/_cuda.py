@@ -1,0 +1,271 @@
+"""The CUDA backend: a fence is a pooled CUDA event recorded on a CUDA stream.
+
+Streams come from anywhere: cuda.core, PyTorch, CuPy, numba-cuda, cuda.bindings,
+or a raw handle. ``cuda.bindings.driver`` is imported, and the driver loaded,
+only when a CUDA stream is first used, so asyncfence imports and runs OpenCL on
+machines without an NVIDIA driver.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Final
+
+from ._backend import Marker, QueueInfo
+from ._exceptions import DeviceError, DriverNotFoundError
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+__all__ = ["CudaBackend", "check", "cuda_stream_handle", "device_error", "driver"]
+
+#: The special stream handles, as CUDA defines them.
+NULL_STREAM: Final = 0
+LEGACY_DEFAULT_STREAM: Final = 1
+PER_THREAD_DEFAULT_STREAM: Final = 2
+
+# Events kept per context beyond those in use; more are destroyed on release.
+_POOL_LIMIT = 4096
+# Blocking waits poll with sleeps that double up to this, staying interruptible.
+_SYNC_SLEEP_CAP_S = 1e-3
+
+_ACCEPTS = (
+    "a CUDA stream: an object with __cuda_stream__ (cuda.core, PyTorch, numba-cuda, "
+    "cuda.bindings CUstream), a CuPy stream, a torch.cuda.Stream, a numba-cuda stream, "
+    "or an int handle (0 null, 1 legacy default, 2 per-thread default stream)"
+)
+
+_driver_module: ModuleType | None = None
+_driver_lock = threading.Lock()
+
+
+def driver() -> ModuleType:
+    """Return ``cuda.bindings.driver``, with the driver initialised.
+
+    Raises:
+        DriverNotFoundError: No NVIDIA driver (``libcuda.so.1``) could be loaded.
+        DeviceError: ``cuInit`` failed.
+    """
+    global _driver_module
+    if _driver_module is not None:
+        return _driver_module
+    with _driver_lock:
+        if _driver_module is None:
+            from cuda.bindings import driver as drv
+
+            try:
+                (err,) = drv.cuInit(0)
+            except RuntimeError as missing:  # cuda.pathfinder's DynamicLibNotFoundError
+                raise DriverNotFoundError(
+                    "the NVIDIA driver (libcuda.so.1) was not found: CUDA streams need an "
+                    "NVIDIA GPU with its driver installed; without one, use OpenCL "
+                    "(pip install 'asyncfence[opencl]')"
+                ) from missing
+            if err != drv.CUresult.CUDA_SUCCESS:
+                raise device_error(drv, err, "cuInit failed")
+            _driver_module = drv
+    return _driver_module
+
+
+def device_error(drv: ModuleType, err: Any, detail: str = "") -> DeviceError:
+    """A :class:`DeviceError` for the ``CUresult`` ``err``."""
+    code = int(err)
+    try:
+        name = drv.CUresult(code).name
+    except ValueError:
+        name = "CUDA_ERROR_UNKNOWN"
+    status, text = drv.cuGetErrorString(err)
+    if status == drv.CUresult.CUDA_SUCCESS and text:
+        explanation = text.decode(errors="replace")
+        detail = f"{detail}: {explanation}" if detail else explanation
+    return DeviceError("cuda", code, name, detail)
+
+
+def check(result: tuple[Any, ...], what: str) -> Any:
+    """Unpack a cuda.bindings ``(CUresult, value...)`` tuple, raising on error.
+
+    Returns:
+        The single value, or ``None`` for calls that return only a status.
+    """
+    drv = driver()
+    err = result[0]
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise device_error(drv, err, f"{what} failed")
+    return result[1] if len(result) > 1 else None
+
+
+def cuda_stream_handle(stream: object) -> int:
+    """Return the raw ``CUstream`` handle of any supported stream object.
+
+    Raises:
+        TypeError: ``stream`` is not a CUDA stream asyncfence knows.
+        ValueError: The handle is negative or out of range.
+    """
+    if isinstance(stream, bool):
+        raise TypeError(f"expected {_ACCEPTS}; got bool")
+    if isinstance(stream, int):
+        handle = stream
+    elif hasattr(type(stream), "__cuda_stream__"):
+        protocol = stream.__cuda_stream__  # type: ignore[attr-defined]
+        # A method since cuda.core 0.2; an attribute before.
+        version, handle = protocol() if callable(protocol) else protocol
+        if version != 0:
+            raise ValueError(f"unsupported __cuda_stream__ protocol version {version}")
+    else:
+        library = type(stream).__module__.partition(".")[0]
+        if library == "torch" and hasattr(stream, "cuda_stream"):
+            handle = stream.cuda_stream
+        elif library == "cupy" and hasattr(stream, "ptr"):
+            handle = stream.ptr
+        elif library == "numba" and hasattr(stream, "handle"):
+            handle = stream.handle.value or 0  # a c_void_p; None is the default stream
+        else:
+            raise TypeError(f"expected {_ACCEPTS}; got {type(stream).__qualname__} object")
+    handle = int(handle)
+    if not 0 <= handle < 1 << 64:
+        raise ValueError(f"a CUDA stream handle must be in [0, 2**64), got {handle}")
+    return handle
+
+
+class _CudaMarker:
+    """A recorded event and the pool it goes back to."""
+
+    __slots__ = ("event", "pool")
+
+    def __init__(self, event: Any, pool: deque[Any]) -> None:
+        self.event = event
+        self.pool = pool
+
+
+class CudaBackend:
+    """Fences as ``CU_EVENT_DISABLE_TIMING`` events, pooled per context.
+
+    In the steady state recording calls ``cuEventRecord`` and nothing else:
+    events come back to their context's pool when their fence settles (or is
+    dropped), so ``cuEventCreate`` runs only while the number of fences in
+    flight grows.
+    """
+
+    name = "cuda"
+    accepts = _ACCEPTS
+
+    def __init__(self) -> None:
+        self._pools: dict[int, deque[Any]] = {}
+        self._pools_lock = threading.Lock()
+
+    def claims(self, stream: object) -> bool:
+        if isinstance(stream, bool):
+            return False
+        if isinstance(stream, int) or hasattr(type(stream), "__cuda_stream__"):
+            return True
+        library = type(stream).__module__.partition(".")[0]
+        return (
+            (library == "torch" and hasattr(stream, "cuda_stream"))
+            or (library == "cupy" and hasattr(stream, "ptr"))
+            or (library == "numba" and hasattr(stream, "handle"))
+        )
+
+    def _stream(self, stream: object) -> tuple[ModuleType, Any, int, int]:
+        """Resolve ``stream`` to (driver, CUstream, handle, context handle)."""
+        handle = cuda_stream_handle(stream)
+        drv = driver()
+        cu_stream = stream if type(stream) is drv.CUstream else drv.CUstream(handle)
+        err, context = drv.cuStreamGetCtx(cu_stream)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            detail = "cannot find the stream's context"
+            if handle <= PER_THREAD_DEFAULT_STREAM:
+                detail += " (the default streams need a current context on this thread)"
+            raise device_error(drv, err, detail)
+        return drv, cu_stream, handle, int(context)
+
+    def _pool(self, context: int) -> deque[Any]:
+        pool = self._pools.get(context)
+        if pool is None:
+            with self._pools_lock:
+                pool = self._pools.setdefault(context, deque())
+        return pool
+
+    def _create_event(self, drv: ModuleType, context: int) -> Any:
+        err, current = drv.cuCtxGetCurrent()
+        switch = err != drv.CUresult.CUDA_SUCCESS or int(current) != context
+        if switch:
+            (err,) = drv.cuCtxPushCurrent(drv.CUcontext(context))
+            if err != drv.CUresult.CUDA_SUCCESS:
+                raise device_error(drv, err, "cannot make the stream's context current")
+        try:
+            err, event = drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        finally:
+            if switch:
+                drv.cuCtxPopCurrent()
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise device_error(drv, err, "cuEventCreate failed")
+        return event
+
+    def record(self, stream: object) -> tuple[Marker, QueueInfo]:
+        drv, cu_stream, handle, context = self._stream(stream)
+        pool = self._pool(context)
+        try:
+            event = pool.pop()
+        except IndexError:
+            event = self._create_event(drv, context)
+        (err,) = drv.cuEventRecord(event, cu_stream)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            pool.append(event)
+            raise device_error(drv, err, "cuEventRecord failed")
+        if handle == PER_THREAD_DEFAULT_STREAM:
+            key: tuple[int, ...] = (context, handle, threading.get_ident())
+        else:
+            key = (context, handle)
+        return _CudaMarker(event, pool), QueueInfo(key, in_order=True)
+
+    def query(self, marker: Marker) -> bool:
+        assert isinstance(marker, _CudaMarker)
+        drv = driver()
+        (err,) = drv.cuEventQuery(marker.event)
+        if err == drv.CUresult.CUDA_SUCCESS:
+            return True
+        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        raise device_error(drv, err, "the work before the fence failed")
+
+    def synchronize(self, marker: Marker, timeout: float) -> bool:
+        # cuEventSynchronize would busy-wait (no BLOCKING_SYNC) and cannot be
+        # interrupted or timed out, so poll with growing sleeps instead.
+        deadline = time.monotonic() + timeout
+        sleep = 20e-6
+        while True:
+            try:
+                if self.query(marker):
+                    return True
+            except DeviceError:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(sleep, remaining))
+            sleep = min(sleep * 2, _SYNC_SLEEP_CAP_S)
+
+    def stream_wait(self, marker: Marker, origin: QueueInfo, stream: object) -> None:
+        assert isinstance(marker, _CudaMarker)
+        handle = cuda_stream_handle(stream)
+        drv = driver()
+        cu_stream = stream if type(stream) is drv.CUstream else drv.CUstream(handle)
+        (err,) = drv.cuStreamWaitEvent(cu_stream, marker.event, 0)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise device_error(drv, err, "cuStreamWaitEvent failed")
+
+    def release(self, marker: Marker) -> None:
+        assert isinstance(marker, _CudaMarker)
+        # deque.append is atomic, and this may run in a finalizer. A pending
+        # event is fine to re-record: later records overwrite its state.
+        if len(marker.pool) < _POOL_LIMIT:
+            marker.pool.append(marker.event)
+        elif _driver_module is not None and not sys.is_finalizing():
+            _driver_module.cuEventDestroy(marker.event)
+
+    def pooled_events(self) -> int:
+        """How many idle events the pools hold, across contexts."""
+        return sum(len(pool) for pool in list(self._pools.values()))

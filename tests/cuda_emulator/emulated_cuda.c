@@ -1,0 +1,955 @@
+/*
+ * An emulated CUDA driver: a test double of libcuda.so.1's ABI for CI machines
+ * without a GPU. Part of asyncfence's test suite; never shipped.
+ *
+ * cuda.bindings resolves every entry point through cuGetProcAddress_v2, so this
+ * library exports that resolver plus the entry points asyncfence uses. It
+ * models what the fence logic depends on, not a GPU:
+ *   - each stream is a thread that runs its queue of operations in order;
+ *   - events complete when their stream reaches them; a context fault is
+ *     sticky: queries return it, queued work is dropped, host functions never
+ *     run again (as the real driver documents for cuLaunchHostFunc);
+ *   - cuStreamWaitValue32 / cuStreamWriteValue32 act on host memory;
+ *   - "device" memory is host memory, so memsets are real work on the stream.
+ * Test hooks (emu_*) hold and release streams, inject faults and count live
+ * objects. Handles are validated against registries, so a stale or bogus
+ * handle gives CUDA_ERROR_INVALID_HANDLE instead of a crash.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef void (*CUhostFn)(void *);
+
+enum {
+    SUCCESS = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3,
+    NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201,
+    INVALID_HANDLE = 400, NOT_FOUND = 500, NOT_READY = 600,
+    ILLEGAL_ADDRESS = 700, LAUNCH_FAILED = 719, NOT_PERMITTED = 800,
+    NOT_SUPPORTED = 801,
+};
+
+#define MAX_DEVICES 8
+#define DRIVER_VERSION 13020
+
+typedef struct stream stream_t;
+
+typedef struct context {
+    int device;
+    int sticky; /* 0, or the sticky error code */
+    stream_t *default_stream;
+} context_t;
+
+typedef struct event {
+    context_t *ctx;
+    unsigned flags;
+    uint64_t target; /* generation of the latest record */
+    uint64_t done;   /* highest generation the stream has passed */
+    int refs;        /* the user's handle plus queued operations */
+} event_t;
+
+typedef struct gate { int open; int refs; } gate_t;
+
+enum op_kind { OP_RECORD, OP_WAIT_EVENT, OP_HOST_FUNC, OP_WAIT_VALUE, OP_WRITE_VALUE,
+               OP_GATE, OP_FAULT, OP_MEMSET, OP_FREE };
+
+typedef struct op {
+    enum op_kind kind;
+    struct op *next;
+    event_t *event;
+    uint64_t generation;
+    CUhostFn fn;
+    void *data;
+    volatile uint32_t *address;
+    uint32_t value;
+    unsigned flags;
+    gate_t *gate;
+    int code;
+    size_t bytes;
+} op_t;
+
+struct stream {
+    context_t *ctx;
+    op_t *head, *tail;
+    int busy;
+    int destroyed;
+    pthread_cond_t wake;
+};
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t progress = PTHREAD_COND_INITIALIZER;
+static int initialized;
+static int device_count = 2;
+static context_t *primary[MAX_DEVICES];
+static long live_events, live_streams, pending_host_funcs, events_created, live_host_allocs;
+
+static __thread context_t *ctx_stack[32];
+static __thread int ctx_depth;
+
+/* ---- handle registry: a set of live pointers, so bad handles are errors ---- */
+
+typedef struct { void **slots; size_t cap, used; } ptrset_t;
+#define TOMBSTONE ((void *)1)
+
+static size_t hash_ptr(void *p, size_t cap) {
+    uintptr_t x = (uintptr_t)p;
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33;
+    return x & (cap - 1);
+}
+
+static void ptrset_add(ptrset_t *s, void *p);
+
+static void ptrset_grow(ptrset_t *s) {
+    ptrset_t bigger = { calloc(s->cap ? s->cap * 2 : 1024, sizeof(void *)), s->cap ? s->cap * 2 : 1024, 0 };
+    for (size_t i = 0; i < s->cap; i++)
+        if (s->slots[i] && s->slots[i] != TOMBSTONE) ptrset_add(&bigger, s->slots[i]);
+    free(s->slots);
+    *s = bigger;
+}
+
+static void ptrset_add(ptrset_t *s, void *p) {
+    if ((s->used + 1) * 2 > s->cap) ptrset_grow(s);
+    size_t i = hash_ptr(p, s->cap);
+    while (s->slots[i] && s->slots[i] != TOMBSTONE) i = (i + 1) & (s->cap - 1);
+    s->slots[i] = p;
+    s->used++;
+}
+
+static size_t ptrset_find(ptrset_t *s, void *p) {
+    if (!s->cap || !p) return (size_t)-1;
+    size_t i = hash_ptr(p, s->cap);
+    while (s->slots[i]) {
+        if (s->slots[i] == p) return i;
+        i = (i + 1) & (s->cap - 1);
+    }
+    return (size_t)-1;
+}
+
+static int ptrset_remove(ptrset_t *s, void *p) {
+    size_t i = ptrset_find(s, p);
+    if (i == (size_t)-1) return 0;
+    s->slots[i] = TOMBSTONE; /* used stays counted until the next grow */
+    return 1;
+}
+
+static ptrset_t live_stream_set, live_event_set, live_context_set;
+
+/* ---- helpers ---------------------------------------------------------------- */
+
+static context_t *current_ctx(void) { return ctx_depth ? ctx_stack[ctx_depth - 1] : NULL; }
+
+static void *stream_worker(void *arg);
+
+static stream_t *new_stream_locked(context_t *ctx) {
+    stream_t *s = calloc(1, sizeof *s);
+    s->ctx = ctx;
+    pthread_cond_init(&s->wake, NULL);
+    pthread_t thread;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 256 * 1024);
+    if (pthread_create(&thread, &attr, stream_worker, s) != 0) {
+        free(s);
+        return NULL;
+    }
+    pthread_attr_destroy(&attr);
+    return s;
+}
+
+/* Resolve a stream handle; 0, 1 and 2 are the current context's default stream. */
+static CUresult resolve_stream(void *handle, stream_t **out) {
+    if (!initialized) return NOT_INITIALIZED;
+    uintptr_t h = (uintptr_t)handle;
+    if (h <= 2) {
+        context_t *ctx = current_ctx();
+        if (!ctx) return INVALID_CONTEXT;
+        if (!ctx->default_stream) ctx->default_stream = new_stream_locked(ctx);
+        if (!ctx->default_stream) return OUT_OF_MEMORY;
+        *out = ctx->default_stream;
+        return SUCCESS;
+    }
+    if (ptrset_find(&live_stream_set, handle) == (size_t)-1) return INVALID_HANDLE;
+    *out = handle;
+    return SUCCESS;
+}
+
+static CUresult resolve_event(void *handle, event_t **out) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (ptrset_find(&live_event_set, handle) == (size_t)-1) return INVALID_HANDLE;
+    *out = handle;
+    return SUCCESS;
+}
+
+static void enqueue_locked(stream_t *s, op_t *op) {
+    op->next = NULL;
+    if (s->tail) s->tail->next = op; else s->head = op;
+    s->tail = op;
+    pthread_cond_signal(&s->wake);
+}
+
+static op_t *new_op(enum op_kind kind) {
+    op_t *op = calloc(1, sizeof *op);
+    op->kind = kind;
+    return op;
+}
+
+static void event_unref_locked(event_t *e) {
+    if (--e->refs == 0) free(e);
+}
+
+static void gate_unref_locked(gate_t *g) {
+    if (--g->refs == 0) free(g);
+}
+
+static void sleep_ns(long ns) {
+    struct timespec ts = { ns / 1000000000L, ns % 1000000000L };
+    nanosleep(&ts, NULL);
+}
+
+static int value_condition_met(volatile uint32_t *address, uint32_t value, unsigned flags) {
+    uint32_t current = __atomic_load_n(address, __ATOMIC_ACQUIRE);
+    switch (flags & 0xf) {
+    case 0: return (int32_t)(current - value) >= 0; /* GEQ, cyclic */
+    case 1: return current == value;                /* EQ */
+    case 2: return (current & value) != 0;          /* AND */
+    case 3: return ~(current | value) != 0;         /* NOR */
+    default: return 1;
+    }
+}
+
+/* ---- the stream thread ------------------------------------------------------ */
+
+static void *stream_worker(void *arg) {
+    stream_t *s = arg;
+    pthread_mutex_lock(&mu);
+    for (;;) {
+        while (!s->head && !s->destroyed) pthread_cond_wait(&s->wake, &mu);
+        if (!s->head) break; /* destroyed and drained */
+        op_t *op = s->head;
+        s->head = op->next;
+        if (!s->head) s->tail = NULL;
+        s->busy = 1;
+        int faulted = s->ctx->sticky != 0;
+        switch (op->kind) {
+        case OP_RECORD:
+            if (!faulted && op->event->done < op->generation) op->event->done = op->generation;
+            event_unref_locked(op->event);
+            break;
+        case OP_WAIT_EVENT:
+            while (op->event->done < op->generation && !s->ctx->sticky && !op->event->ctx->sticky)
+                pthread_cond_wait(&progress, &mu);
+            event_unref_locked(op->event);
+            break;
+        case OP_HOST_FUNC:
+            if (!faulted) { /* never called after a context fault */
+                pthread_mutex_unlock(&mu);
+                op->fn(op->data);
+                pthread_mutex_lock(&mu);
+            }
+            pending_host_funcs--;
+            break;
+        case OP_WAIT_VALUE: {
+            long backoff = 1000;
+            while (!s->ctx->sticky && !value_condition_met(op->address, op->value, op->flags)) {
+                pthread_mutex_unlock(&mu);
+                sleep_ns(backoff);
+                if (backoff < 500000) backoff *= 2;
+                pthread_mutex_lock(&mu);
+            }
+            break;
+        }
+        case OP_WRITE_VALUE:
+            if (!faulted) __atomic_store_n(op->address, op->value, __ATOMIC_RELEASE);
+            break;
+        case OP_GATE:
+            while (!op->gate->open && !s->ctx->sticky) pthread_cond_wait(&progress, &mu);
+            gate_unref_locked(op->gate);
+            break;
+        case OP_FAULT:
+            if (!s->ctx->sticky) s->ctx->sticky = op->code;
+            break;
+        case OP_MEMSET:
+            if (!faulted) {
+                pthread_mutex_unlock(&mu);
+                memset((void *)op->address, (int)op->value, op->bytes);
+                pthread_mutex_lock(&mu);
+            }
+            break;
+        case OP_FREE:
+            free((void *)op->address);
+            break;
+        }
+        free(op);
+        s->busy = 0;
+        pthread_cond_broadcast(&progress);
+    }
+    pthread_cond_destroy(&s->wake);
+    free(s);
+    pthread_mutex_unlock(&mu);
+    return NULL;
+}
+
+/* ---- initialisation, devices, contexts -------------------------------------- */
+
+CUresult cuInit(unsigned int flags) {
+    if (flags != 0) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    if (!initialized) {
+        const char *env = getenv("ASYNCFENCE_EMULATED_DEVICES");
+        if (env) {
+            int n = atoi(env);
+            device_count = n < 0 ? 0 : n > MAX_DEVICES ? MAX_DEVICES : n;
+        }
+        initialized = 1;
+    }
+    pthread_mutex_unlock(&mu);
+    return SUCCESS;
+}
+
+CUresult cuDriverGetVersion(int *version) {
+    if (!version) return INVALID_VALUE;
+    *version = DRIVER_VERSION;
+    return SUCCESS;
+}
+
+CUresult cuDeviceGetCount(int *count) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!count) return INVALID_VALUE;
+    *count = device_count;
+    return SUCCESS;
+}
+
+CUresult cuDeviceGet(CUdevice *device, int ordinal) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!device) return INVALID_VALUE;
+    if (ordinal < 0 || ordinal >= device_count) return INVALID_DEVICE;
+    *device = ordinal;
+    return SUCCESS;
+}
+
+CUresult cuDeviceGetName(char *name, int length, CUdevice device) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (device < 0 || device >= device_count) return INVALID_DEVICE;
+    if (!name || length <= 0) return INVALID_VALUE;
+    snprintf(name, (size_t)length, "asyncfence emulated device %d", device);
+    return SUCCESS;
+}
+
+CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (device < 0 || device >= device_count) return INVALID_DEVICE;
+    if (!value) return INVALID_VALUE;
+    (void)attribute;
+    *value = 1; /* every capability asked about (memory pools, mapped host memory, ...) */
+    return SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRetain(void **pctx, CUdevice device) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (device < 0 || device >= device_count) return INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    if (!primary[device]) {
+        primary[device] = calloc(1, sizeof(context_t));
+        primary[device]->device = device;
+        ptrset_add(&live_context_set, primary[device]);
+    }
+    *pctx = primary[device];
+    pthread_mutex_unlock(&mu);
+    return SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRelease(CUdevice device) {
+    if (!initialized) return NOT_INITIALIZED;
+    return device < 0 || device >= device_count ? INVALID_DEVICE : SUCCESS;
+}
+
+static CUresult check_context(void *ctx) {
+    if (!initialized) return NOT_INITIALIZED;
+    return ptrset_find(&live_context_set, ctx) == (size_t)-1 ? INVALID_CONTEXT : SUCCESS;
+}
+
+CUresult cuCtxSetCurrent(void *ctx) {
+    pthread_mutex_lock(&mu);
+    CUresult r = ctx ? check_context(ctx) : SUCCESS;
+    pthread_mutex_unlock(&mu);
+    if (r) return r;
+    if (!ctx) { if (ctx_depth) ctx_depth--; return SUCCESS; }
+    if (ctx_depth) ctx_stack[ctx_depth - 1] = ctx; else ctx_stack[ctx_depth++] = ctx;
+    return SUCCESS;
+}
+
+CUresult cuCtxGetCurrent(void **pctx) {
+    if (!initialized) return NOT_INITIALIZED;
+    *pctx = current_ctx();
+    return SUCCESS;
+}
+
+CUresult cuCtxPushCurrent(void *ctx) {
+    pthread_mutex_lock(&mu);
+    CUresult r = check_context(ctx);
+    pthread_mutex_unlock(&mu);
+    if (r) return r;
+    if (ctx_depth == 32) return INVALID_VALUE;
+    ctx_stack[ctx_depth++] = ctx;
+    return SUCCESS;
+}
+
+CUresult cuCtxPopCurrent(void **pctx) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!ctx_depth) return INVALID_CONTEXT;
+    context_t *ctx = ctx_stack[--ctx_depth];
+    if (pctx) *pctx = ctx;
+    return SUCCESS;
+}
+
+CUresult cuCtxGetDevice(CUdevice *device) {
+    context_t *ctx = current_ctx();
+    if (!initialized) return NOT_INITIALIZED;
+    if (!ctx) return INVALID_CONTEXT;
+    *device = ctx->device;
+    return SUCCESS;
+}
+
+static int context_idle_locked(context_t *ctx);
+
+CUresult cuCtxSynchronize(void) {
+    context_t *ctx = current_ctx();
+    if (!initialized) return NOT_INITIALIZED;
+    if (!ctx) return INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    while (!ctx->sticky && !context_idle_locked(ctx)) pthread_cond_wait(&progress, &mu);
+    CUresult r = ctx->sticky;
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+/* ---- streams ---------------------------------------------------------------- */
+
+CUresult cuStreamCreate(void **phandle, unsigned int flags) {
+    (void)flags;
+    if (!initialized) return NOT_INITIALIZED;
+    if (!phandle) return INVALID_VALUE;
+    context_t *ctx = current_ctx();
+    if (!ctx) return INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    CUresult r = ctx->sticky;
+    stream_t *s = r ? NULL : new_stream_locked(ctx);
+    if (!r && !s) r = OUT_OF_MEMORY;
+    if (s) {
+        ptrset_add(&live_stream_set, s);
+        live_streams++;
+        *phandle = s;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuStreamDestroy(void *handle) {
+    if (!initialized) return NOT_INITIALIZED;
+    pthread_mutex_lock(&mu);
+    CUresult r = SUCCESS;
+    if ((uintptr_t)handle <= 2 || !ptrset_remove(&live_stream_set, handle)) {
+        r = INVALID_HANDLE;
+    } else {
+        stream_t *s = handle;
+        s->destroyed = 1; /* the thread drains the queue, then frees it */
+        live_streams--;
+        pthread_cond_signal(&s->wake);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuStreamGetCtx(void *handle, void **pctx) {
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    CUresult r = resolve_stream(handle, &s);
+    if (!r) *pctx = s->ctx;
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuStreamGetCtx_v2(void *handle, void **pctx, void **pgreen) {
+    CUresult r = cuStreamGetCtx(handle, pctx);
+    if (!r && pgreen) *pgreen = NULL;
+    return r;
+}
+
+static int stream_idle_locked(stream_t *s) { return !s->head && !s->busy; }
+
+static int context_idle_locked(context_t *ctx) {
+    for (size_t i = 0; i < live_stream_set.cap; i++) {
+        stream_t *s = live_stream_set.slots[i];
+        if (s && (void *)s != TOMBSTONE && s->ctx == ctx && !stream_idle_locked(s)) return 0;
+    }
+    return !ctx->default_stream || stream_idle_locked(ctx->default_stream);
+}
+
+CUresult cuStreamQuery(void *handle) {
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    CUresult r = resolve_stream(handle, &s);
+    if (!r) r = s->ctx->sticky ? s->ctx->sticky : stream_idle_locked(s) ? SUCCESS : NOT_READY;
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuStreamSynchronize(void *handle) {
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    CUresult r = resolve_stream(handle, &s);
+    if (!r) {
+        while (!s->ctx->sticky && !stream_idle_locked(s)) pthread_cond_wait(&progress, &mu);
+        r = s->ctx->sticky;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+/* Resolve a stream and check its context is healthy, holding the lock. */
+static CUresult usable_stream_locked(void *handle, stream_t **out) {
+    CUresult r = resolve_stream(handle, out);
+    if (!r && (*out)->ctx->sticky) r = (*out)->ctx->sticky;
+    return r;
+}
+
+/* ---- events ----------------------------------------------------------------- */
+
+CUresult cuEventCreate(void **phandle, unsigned int flags) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!phandle || flags > 0xf) return INVALID_VALUE;
+    context_t *ctx = current_ctx();
+    if (!ctx) return INVALID_CONTEXT;
+    event_t *e = calloc(1, sizeof *e);
+    e->ctx = ctx;
+    e->flags = flags;
+    e->refs = 1;
+    pthread_mutex_lock(&mu);
+    ptrset_add(&live_event_set, e);
+    live_events++;
+    events_created++;
+    pthread_mutex_unlock(&mu);
+    *phandle = e;
+    return SUCCESS;
+}
+
+CUresult cuEventDestroy(void *handle) {
+    if (!initialized) return NOT_INITIALIZED;
+    pthread_mutex_lock(&mu);
+    CUresult r = SUCCESS;
+    if (!ptrset_remove(&live_event_set, handle)) {
+        r = INVALID_HANDLE;
+    } else {
+        live_events--;
+        event_unref_locked(handle); /* freed once queued records have run */
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuEventRecord(void *event_handle, void *stream_handle) {
+    pthread_mutex_lock(&mu);
+    event_t *e = NULL;
+    stream_t *s = NULL;
+    CUresult r = resolve_event(event_handle, &e);
+    if (!r) r = usable_stream_locked(stream_handle, &s);
+    if (!r && e->ctx != s->ctx) r = INVALID_HANDLE;
+    if (!r) {
+        op_t *op = new_op(OP_RECORD);
+        op->event = e;
+        op->generation = ++e->target;
+        e->refs++;
+        enqueue_locked(s, op);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuEventQuery(void *handle) {
+    pthread_mutex_lock(&mu);
+    event_t *e = NULL;
+    CUresult r = resolve_event(handle, &e);
+    if (!r) r = e->ctx->sticky ? e->ctx->sticky : e->done >= e->target ? SUCCESS : NOT_READY;
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuEventSynchronize(void *handle) {
+    pthread_mutex_lock(&mu);
+    event_t *e = NULL;
+    CUresult r = resolve_event(handle, &e);
+    if (!r) {
+        e->refs++;
+        while (!e->ctx->sticky && e->done < e->target) pthread_cond_wait(&progress, &mu);
+        r = e->ctx->sticky;
+        event_unref_locked(e);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuStreamWaitEvent(void *stream_handle, void *event_handle, unsigned int flags) {
+    if (flags != 0) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    event_t *e = NULL;
+    stream_t *s = NULL;
+    CUresult r = resolve_event(event_handle, &e);
+    if (!r) r = usable_stream_locked(stream_handle, &s);
+    if (!r) { /* any context: the wait happens on the device */
+        op_t *op = new_op(OP_WAIT_EVENT);
+        op->event = e;
+        op->generation = e->target;
+        e->refs++;
+        enqueue_locked(s, op);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+/* ---- host functions ----------------------------------------------------------- */
+
+CUresult cuLaunchHostFunc(void *stream_handle, CUhostFn fn, void *data) {
+    if (!fn) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    CUresult r = usable_stream_locked(stream_handle, &s);
+    if (!r) {
+        op_t *op = new_op(OP_HOST_FUNC);
+        op->fn = fn;
+        op->data = data;
+        pending_host_funcs++;
+        enqueue_locked(s, op);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuLaunchHostFunc_v2(void *stream_handle, CUhostFn fn, void *data, unsigned int sync_mode) {
+    if (sync_mode > 1) return INVALID_VALUE;
+    return cuLaunchHostFunc(stream_handle, fn, data);
+}
+
+/* ---- stream memory operations ------------------------------------------------- */
+
+static CUresult enqueue_value_op(enum op_kind kind, void *stream_handle, CUdeviceptr address,
+                                 uint32_t value, unsigned int flags) {
+    if (!address || (address & 3)) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    CUresult r = usable_stream_locked(stream_handle, &s);
+    if (!r) {
+        op_t *op = new_op(kind);
+        op->address = (volatile uint32_t *)(uintptr_t)address;
+        op->value = value;
+        op->flags = flags;
+        enqueue_locked(s, op);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuStreamWaitValue32(void *stream, CUdeviceptr address, uint32_t value, unsigned int flags) {
+    if ((flags & 0xf) > 3) return INVALID_VALUE;
+    return enqueue_value_op(OP_WAIT_VALUE, stream, address, value, flags);
+}
+
+CUresult cuStreamWriteValue32(void *stream, CUdeviceptr address, uint32_t value, unsigned int flags) {
+    return enqueue_value_op(OP_WRITE_VALUE, stream, address, value, flags);
+}
+
+/* ---- memory ------------------------------------------------------------------- */
+
+CUresult cuMemHostAlloc(void **pp, size_t bytes, unsigned int flags) {
+    (void)flags;
+    if (!initialized) return NOT_INITIALIZED;
+    if (!pp || !bytes) return INVALID_VALUE;
+    if (!current_ctx()) return INVALID_CONTEXT;
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes) != 0) return OUT_OF_MEMORY;
+    memset(p, 0, bytes);
+    pthread_mutex_lock(&mu);
+    live_host_allocs++;
+    pthread_mutex_unlock(&mu);
+    *pp = p;
+    return SUCCESS;
+}
+
+CUresult cuMemAllocHost(void **pp, size_t bytes) { return cuMemHostAlloc(pp, bytes, 0); }
+
+CUresult cuMemFreeHost(void *p) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!p) return INVALID_VALUE;
+    free(p);
+    pthread_mutex_lock(&mu);
+    live_host_allocs--;
+    pthread_mutex_unlock(&mu);
+    return SUCCESS;
+}
+
+CUresult cuMemHostGetDevicePointer(CUdeviceptr *pdptr, void *p, unsigned int flags) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!pdptr || !p || flags) return INVALID_VALUE;
+    *pdptr = (CUdeviceptr)(uintptr_t)p; /* unified addressing */
+    return SUCCESS;
+}
+
+CUresult cuMemAlloc(CUdeviceptr *pdptr, size_t bytes) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!current_ctx()) return INVALID_CONTEXT;
+    if (!pdptr || !bytes) return INVALID_VALUE;
+    void *p = malloc(bytes);
+    if (!p) return OUT_OF_MEMORY;
+    *pdptr = (CUdeviceptr)(uintptr_t)p;
+    return SUCCESS;
+}
+
+CUresult cuMemFree(CUdeviceptr dptr) {
+    if (!initialized) return NOT_INITIALIZED;
+    free((void *)(uintptr_t)dptr);
+    return SUCCESS;
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr *pdptr, size_t bytes, void *stream_handle) {
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    CUresult r = usable_stream_locked(stream_handle, &s);
+    pthread_mutex_unlock(&mu);
+    if (r) return r;
+    void *p = bytes ? malloc(bytes) : NULL;
+    if (!p) return bytes ? OUT_OF_MEMORY : INVALID_VALUE;
+    *pdptr = (CUdeviceptr)(uintptr_t)p;
+    return SUCCESS;
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr dptr, void *stream_handle) {
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    CUresult r = usable_stream_locked(stream_handle, &s);
+    if (!r) {
+        op_t *op = new_op(OP_FREE);
+        op->address = (volatile uint32_t *)(uintptr_t)dptr;
+        enqueue_locked(s, op);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+static CUresult enqueue_memset(CUdeviceptr dptr, unsigned value, size_t bytes, void *stream_handle) {
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    CUresult r = usable_stream_locked(stream_handle, &s);
+    if (!r) {
+        op_t *op = new_op(OP_MEMSET);
+        op->address = (volatile uint32_t *)(uintptr_t)dptr;
+        op->value = value;
+        op->bytes = bytes;
+        enqueue_locked(s, op);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuMemsetD8Async(CUdeviceptr dptr, unsigned char value, size_t count, void *stream) {
+    return enqueue_memset(dptr, value, count, stream);
+}
+
+/* ---- errors ------------------------------------------------------------------- */
+
+static const struct { int code; const char *name, *text; } error_table[] = {
+    { SUCCESS, "CUDA_SUCCESS", "no error" },
+    { INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument" },
+    { OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory" },
+    { NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error" },
+    { NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected" },
+    { INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal" },
+    { INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context" },
+    { INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle" },
+    { NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found" },
+    { NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready" },
+    { ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered" },
+    { LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure" },
+    { NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted" },
+    { NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported" },
+};
+
+static int error_index(CUresult code) {
+    for (size_t i = 0; i < sizeof error_table / sizeof *error_table; i++)
+        if (error_table[i].code == code) return (int)i;
+    return -1;
+}
+
+CUresult cuGetErrorName(CUresult code, const char **out) {
+    int i = error_index(code);
+    if (i < 0) { *out = NULL; return INVALID_VALUE; }
+    *out = error_table[i].name;
+    return SUCCESS;
+}
+
+CUresult cuGetErrorString(CUresult code, const char **out) {
+    int i = error_index(code);
+    if (i < 0) { *out = NULL; return INVALID_VALUE; }
+    *out = error_table[i].text;
+    return SUCCESS;
+}
+
+/* ---- the resolver cuda.bindings loads everything through ---------------------- */
+
+static const struct { const char *name; int version; void *fn; } entry_points[] = {
+#define ENTRY(name, version, fn) { name, version, (void *)fn }
+    ENTRY("cuInit", 2000, cuInit),
+    ENTRY("cuDriverGetVersion", 2020, cuDriverGetVersion),
+    ENTRY("cuGetErrorName", 6000, cuGetErrorName),
+    ENTRY("cuGetErrorString", 6000, cuGetErrorString),
+    ENTRY("cuDeviceGet", 2000, cuDeviceGet),
+    ENTRY("cuDeviceGetCount", 2000, cuDeviceGetCount),
+    ENTRY("cuDeviceGetName", 2000, cuDeviceGetName),
+    ENTRY("cuDeviceGetAttribute", 2000, cuDeviceGetAttribute),
+    ENTRY("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain),
+    ENTRY("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease),
+    ENTRY("cuCtxSetCurrent", 4000, cuCtxSetCurrent),
+    ENTRY("cuCtxGetCurrent", 4000, cuCtxGetCurrent),
+    ENTRY("cuCtxPushCurrent", 4000, cuCtxPushCurrent),
+    ENTRY("cuCtxPopCurrent", 4000, cuCtxPopCurrent),
+    ENTRY("cuCtxGetDevice", 2000, cuCtxGetDevice),
+    ENTRY("cuCtxSynchronize", 2000, cuCtxSynchronize),
+    ENTRY("cuStreamCreate", 2000, cuStreamCreate),
+    ENTRY("cuStreamDestroy", 4000, cuStreamDestroy),
+    ENTRY("cuStreamGetCtx", 9020, cuStreamGetCtx),
+    ENTRY("cuStreamGetCtx", 12050, cuStreamGetCtx_v2),
+    ENTRY("cuStreamQuery", 2000, cuStreamQuery),
+    ENTRY("cuStreamSynchronize", 2000, cuStreamSynchronize),
+    ENTRY("cuStreamWaitEvent", 3020, cuStreamWaitEvent),
+    ENTRY("cuEventCreate", 2000, cuEventCreate),
+    ENTRY("cuEventDestroy", 4000, cuEventDestroy),
+    ENTRY("cuEventRecord", 2000, cuEventRecord),
+    ENTRY("cuEventQuery", 2000, cuEventQuery),
+    ENTRY("cuEventSynchronize", 2000, cuEventSynchronize),
+    ENTRY("cuLaunchHostFunc", 10000, cuLaunchHostFunc),
+    ENTRY("cuLaunchHostFunc", 13020, cuLaunchHostFunc_v2),
+    ENTRY("cuStreamWaitValue32", 8000, cuStreamWaitValue32),
+    ENTRY("cuStreamWriteValue32", 8000, cuStreamWriteValue32),
+    ENTRY("cuMemHostAlloc", 2020, cuMemHostAlloc),
+    ENTRY("cuMemAllocHost", 3020, cuMemAllocHost),
+    ENTRY("cuMemFreeHost", 2000, cuMemFreeHost),
+    ENTRY("cuMemHostGetDevicePointer", 3020, cuMemHostGetDevicePointer),
+    ENTRY("cuMemAlloc", 3020, cuMemAlloc),
+    ENTRY("cuMemFree", 3020, cuMemFree),
+    ENTRY("cuMemAllocAsync", 11020, cuMemAllocAsync),
+    ENTRY("cuMemFreeAsync", 11020, cuMemFreeAsync),
+    ENTRY("cuMemsetD8Async", 3020, cuMemsetD8Async),
+#undef ENTRY
+};
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version,
+                             unsigned long long flags, int *status) {
+    (void)flags; /* per-thread-default-stream variants resolve to the same functions */
+    if (!symbol || !pfn) return INVALID_VALUE;
+    void *best = NULL;
+    int best_version = -1;
+    for (size_t i = 0; i < sizeof entry_points / sizeof *entry_points; i++) {
+        if (strcmp(entry_points[i].name, symbol) == 0 && entry_points[i].version <= cuda_version &&
+            entry_points[i].version > best_version) {
+            best = entry_points[i].fn;
+            best_version = entry_points[i].version;
+        }
+    }
+    *pfn = best;
+    if (status) *status = best ? 0 : 1; /* CU_GET_PROC_ADDRESS_SUCCESS / SYMBOL_NOT_FOUND */
+    return best ? SUCCESS : NOT_FOUND;
+}
+
+/* ---- test hooks ----------------------------------------------------------------- */
+
+int emu_is_emulated(void) { return 1; }
+
+/* Hold a stream: work queued after the gate waits until emu_release(gate). */
+void *emu_hold(void *stream_handle) {
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    gate_t *g = NULL;
+    if (!usable_stream_locked(stream_handle, &s)) {
+        g = calloc(1, sizeof *g);
+        g->refs = 2; /* the caller's and the queued operation's */
+        op_t *op = new_op(OP_GATE);
+        op->gate = g;
+        enqueue_locked(s, op);
+    }
+    pthread_mutex_unlock(&mu);
+    return g;
+}
+
+void emu_release(void *gate) {
+    pthread_mutex_lock(&mu);
+    gate_t *g = gate;
+    if (g && !g->open) {
+        g->open = 1;
+        pthread_cond_broadcast(&progress);
+        gate_unref_locked(g);
+    }
+    pthread_mutex_unlock(&mu);
+}
+
+/* A fault that strikes when the stream reaches this point, like a failing kernel. */
+CUresult emu_launch_fault(void *stream_handle, int code) {
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    CUresult r = usable_stream_locked(stream_handle, &s);
+    if (!r) {
+        op_t *op = new_op(OP_FAULT);
+        op->code = code;
+        enqueue_locked(s, op);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult emu_inject_fault(void *ctx, int code) {
+    pthread_mutex_lock(&mu);
+    CUresult r = check_context(ctx);
+    if (!r) {
+        ((context_t *)ctx)->sticky = code;
+        pthread_cond_broadcast(&progress);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+/* Emulator only: a real context stays faulted until the process ends. */
+CUresult emu_clear_fault(void *ctx) {
+    pthread_mutex_lock(&mu);
+    CUresult r = check_context(ctx);
+    if (!r) ((context_t *)ctx)->sticky = 0;
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+static long read_counter(long *counter) {
+    pthread_mutex_lock(&mu);
+    long value = *counter;
+    pthread_mutex_unlock(&mu);
+    return value;
+}
+
+long emu_live_events(void) { return read_counter(&live_events); }
+long emu_live_streams(void) { return read_counter(&live_streams); }
+long emu_pending_host_funcs(void) { return read_counter(&pending_host_funcs); }
+long emu_events_created(void) { return read_counter(&events_created); }
+long emu_live_host_allocs(void) { return read_counter(&live_host_allocs); }
+
+/* The flags an event was created with, or -1 for a bad handle. */
+int emu_event_flags(void *handle) {
+    pthread_mutex_lock(&mu);
+    event_t *e = NULL;
+    int flags = resolve_event(handle, &e) ? -1 : (int)e->flags;
+    pthread_mutex_unlock(&mu);
+    return flags;
+}
