@@ -1,4 +1,4 @@
-"""Command line: ``python -m asyncfence demo``."""
+"""Command line: ``python -m asyncfence demo`` and ``python -m asyncfence bench``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m asyncfence", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo", help="record fences on the default device and await them")
-    parser.parse_args(argv)
+    bench = commands.add_parser(
+        "bench", help="measure every waiting strategy beside the usual baselines"
+    )
+    bench.add_argument("--device", choices=("cuda", "opencl"), help="default: CUDA if present")
+    bench.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
+    bench.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="plot the distributions (matplotlib)")
+    bench.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    bench.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = parser.parse_args(argv)
 
+    if args.command == "bench":
+        from ._bench import run_bench
+
+        run_bench(
+            device=args.device,
+            quick=args.quick,
+            json_path=args.json,
+            plot_path=args.plot,
+            loop=args.loop,
+            quiet=args.quiet,
+        )
+        return 0
     from ._demo import demo
 
     return asyncio.run(demo())

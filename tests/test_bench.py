@@ -1,0 +1,87 @@
+"""The benchmark: a quick run reports every scenario for every contender."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncfence._bench import TO_THREAD, Results, percentile, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_percentile_is_nearest_rank() -> None:
+    samples = [float(v) for v in range(1, 101)]
+    assert percentile(samples, 0.5) == 50.0
+    assert percentile(samples, 0.99) == 99.0
+    assert percentile(samples, 1.0) == 100.0
+    assert percentile([3.0], 0.99) == 3.0
+    assert math.isnan(percentile([], 0.5))
+
+
+def test_summary_takes_ratios_within_the_run() -> None:
+    results = Results(meta={})
+    results.wake = {TO_THREAD: [100e-6, 100e-6, 100e-6], "fast": [50e-6, 50e-6, 50e-6]}
+    results.cpu = {"sleep(0) loop": [1.0], "fast": [0.01]}
+    results.throughput = {
+        TO_THREAD: {1: [1000.0], 64: [2000.0]},
+        "fast": {1: [3000.0], 64: [8000.0]},
+    }
+    summary = summarize(results)
+    assert summary["wake_latency"]["fast"]["p50_vs_to_thread"] == pytest.approx(0.5)
+    assert summary["cpu_while_waiting"]["fast"]["vs_busy_poll"] == pytest.approx(0.01)
+    assert summary["throughput"]["fast"]["1_tasks_vs_to_thread"] == pytest.approx(3.0)
+    assert summary["throughput"]["fast"]["64_tasks_vs_to_thread"] == pytest.approx(4.0)
+
+
+def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) -> None:
+    report_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncfence",
+            "bench",
+            "--quick",
+            "--device",
+            "opencl",
+            "--json",
+            str(report_path),
+            "--plot",
+            str(plot_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    meta, summary = report["meta"], report["summary"]
+    assert meta["backend"] == "opencl"
+    assert meta["cpu_count"] >= 1
+    contenders = meta["contenders"]
+    assert {"asyncfence poll", TO_THREAD, "sleep(1ms) loop", "sleep(0) loop"} <= set(contenders)
+    for name in contenders:
+        wake = summary["wake_latency"][name]
+        assert 0 < wake["p50_us"] <= wake["p99_us"] <= wake["max_us"]
+        assert summary["cpu_while_waiting"][name]["cpu_per_wall"] >= 0
+        rates = summary["throughput"][name]
+        assert rates["1_tasks_per_s"] > 0
+        assert len([k for k in rates if k.endswith("_per_s")]) == 2
+        assert set(summary["scale"][name]) == {"10", "1000"}
+        for figures in summary["scale"][name].values():
+            assert figures["lag_p99_s"] >= 0
+    assert summary["scale"]["asyncfence poll"]["10"]["tick_median_s"] > 0
+    assert summary["wake_latency"][TO_THREAD]["p50_vs_to_thread"] == pytest.approx(1.0)
+    for table in ("wake latency", "CPU while waiting", "throughput", "scale"):
+        assert table in result.stdout
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[1/" in result.stderr  # progress
