@@ -23,6 +23,8 @@ from ._fence import record as record
 from ._loops import current_statistics as current_statistics
 from ._opencl import OpenCLBackend as _OpenCLBackend
 from ._poller import PollerStatistics as PollerStatistics
+from ._watcher import WatcherStatistics as WatcherStatistics
+from ._watcher import watcher_statistics as watcher_statistics
 
 __all__ = (
     "Config",
@@ -31,9 +33,11 @@ __all__ = (
     "Fence",
     "FenceError",
     "PollerStatistics",
+    "WatcherStatistics",
     "configure",
     "current_statistics",
     "record",
+    "watcher_statistics",
 )
 
 __version__ = "0.1.0"

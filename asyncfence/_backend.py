@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
+    from collections.abc import Callable, Hashable
+
+    from ._watcher import NativeSignal
 
 __all__ = ["Backend", "Marker", "QueueInfo", "backend_for", "register_backend"]
 
@@ -85,6 +87,26 @@ class Backend(Protocol):
         Raises:
             TypeError: ``stream`` is not one of this backend's streams.
             ValueError: ``stream`` cannot wait for a marker from ``origin``.
+        """
+        ...
+
+    def arm(
+        self,
+        marker: Marker,
+        queue: QueueInfo,
+        notify: Callable[[], None],
+        native: NativeSignal | None,
+    ) -> bool:
+        """Arrange a signal for when the device passes ``marker``. Never blocks.
+
+        A backend whose runtime calls back into Python (OpenCL) calls
+        ``notify()`` from its own thread; ``notify`` does next to nothing. A
+        backend that can signal natively (CUDA) makes the device call
+        ``native`` instead, so no Python runs on the driver's thread. The
+        signal may come early or twice; the watcher re-queries.
+
+        Returns:
+            False if no signal could be armed; the watcher then polls.
         """
         ...
 

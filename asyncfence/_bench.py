@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import importlib.metadata
 import json
 import math
@@ -37,10 +38,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._config import STRATEGIES, Strategy
 from ._devices import CudaDevice, Device, OpenCLDevice, open_default_device
 from ._fence import record
 from ._loops import _asyncio_poller
-from ._testing import StreamGate
+from ._testing import StreamGate, hold
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -209,8 +211,11 @@ class Contender:
 def contenders(target: Target) -> list[Contender]:
     """The strategies of asyncfence, then the baselines users write today."""
 
-    async def fence_wait(fence: Any) -> None:
-        await fence
+    def strategy(name: Strategy) -> Callable[[Any], Awaitable[None]]:
+        async def fence_wait(fence: Any) -> None:
+            await fence.wait(strategy=name)
+
+        return fence_wait
 
     async def to_thread(event: Any) -> None:
         await asyncio.to_thread(target.raw_block, event)
@@ -225,7 +230,10 @@ def contenders(target: Target) -> list[Contender]:
             await asyncio.sleep(0)
 
     found = [
-        Contender("asyncfence poll", record, fence_wait, is_asyncfence=True),
+        *(
+            Contender(f"asyncfence {name}", record, strategy(name), is_asyncfence=True)
+            for name in STRATEGIES
+        ),
         Contender(TO_THREAD, target.raw_record, to_thread, target.raw_done),
         Contender(SLEEP_1MS, target.raw_record, sleep_loop, target.raw_done),
         Contender(SLEEP_0, target.raw_record, busy_loop, target.raw_done),
@@ -303,6 +311,8 @@ class Releaser:
 class Results:
     meta: dict[str, Any]
     wake: dict[str, list[float]] = field(default_factory=dict)
+    wake_short: dict[str, list[float]] = field(default_factory=dict)
+    signal_hold: dict[str, list[float]] = field(default_factory=dict)
     cpu: dict[str, list[float]] = field(default_factory=dict)
     throughput: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     scale: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
@@ -321,21 +331,29 @@ class Progress:
 
 
 async def wake_latency(
-    target: Target, entrants: list[Contender], config: BenchConfig, results: Results
+    target: Target,
+    entrants: list[Contender],
+    config: BenchConfig,
+    samples: dict[str, list[float]],
+    delays: tuple[float, float],
 ) -> None:
+    """Release a held stream after a random delay in ``delays``; time the resumption."""
     releaser = Releaser()
     stream = target.new_stream()
     rng = random.Random(1)
     try:
-        for _ in range(config.wake_trials):
+        # One untimed round first: the first park starts the watcher thread
+        # and loads the runtime's callback entry point.
+        for trial in range(config.wake_trials + 1):
             for contender in rng.sample(entrants, len(entrants)):
                 gate = StreamGate(stream)
                 token = contender.record(stream)
-                stamp = releaser.release_after(rng.uniform(0.0005, 0.003), gate)
+                stamp = releaser.release_after(rng.uniform(*delays), gate)
                 await contender.wait(token)
                 resumed = time.perf_counter()
                 contender.done(token)
-                results.wake.setdefault(contender.name, []).append(resumed - stamp[0])
+                if trial:
+                    samples.setdefault(contender.name, []).append(resumed - stamp[0])
     finally:
         releaser.close()
 
@@ -387,6 +405,60 @@ async def throughput(
                 rate = sum(counts) / (time.perf_counter() - start)
                 per_tasks = results.throughput.setdefault(contender.name, {})
                 per_tasks.setdefault(tasks, []).append(rate)
+
+
+def _hold_gil(seconds: float) -> None:
+    """Keep this thread running Python, as a busy event loop does."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+def signal_hold(target: CudaTarget, config: BenchConfig, results: Results) -> None:
+    """How long each completion signal holds the stream it runs on, by timing events.
+
+    asyncfence's signal is a ``cuLaunchHostFunc_v2`` of libc's ``sem_post``: no
+    Python. The comparison is a Python callback through cuda.bindings'
+    ``cuLaunchHostFunc`` (what numba's ``async_done`` and CuPy's callbacks do),
+    while the main thread runs Python, as a busy event loop would.
+    """
+    from ._cuda import check
+    from ._watcher import _Semaphore
+
+    drv = target._drv
+    stream = target.new_stream()
+    semaphore = _Semaphore()  # a private one: the watcher is not disturbed
+    native = drv.CUhostFn(semaphore.native.function)
+    timing = drv.CUevent_flags.CU_EVENT_DEFAULT
+    start = check(drv.cuEventCreate(timing), "cuEventCreate")
+    end = check(drv.cuEventCreate(timing), "cuEventCreate")
+
+    # A callback that runs Python, as numba's and CuPy's do (a ctypes thunk,
+    # which takes the GIL; the v1 wrapper of cuda.bindings takes it as well).
+    python_callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _data: None)
+    python_fn = drv.CUhostFn(ctypes.cast(python_callback, ctypes.c_void_p).value)
+    signals: dict[str, Callable[[], Any]] = {
+        "asyncfence: cuLaunchHostFunc_v2(sem_post)": lambda: drv.cuLaunchHostFunc_v2(
+            stream, native, semaphore.address, 0
+        ),
+        "Python callback: cuLaunchHostFunc": lambda: drv.cuLaunchHostFunc(stream, python_fn, 0),
+    }
+    try:
+        for _ in range(max(3, config.wake_trials // 4)):
+            for name, launch in signals.items():
+                with hold(stream) as gate:  # queue it all before the stream runs
+                    check(drv.cuEventRecord(start, stream), "cuEventRecord")
+                    check(launch(), name)
+                    check(drv.cuEventRecord(end, stream), "cuEventRecord")
+                    gate.release()
+                    _hold_gil(0.002)
+                check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
+                semaphore.drain()
+                elapsed_ms = check(drv.cuEventElapsedTime(start, end), "cuEventElapsedTime")
+                results.signal_hold.setdefault(name, []).append(float(elapsed_ms) / 1e3)
+    finally:
+        drv.cuEventDestroy(start)
+        drv.cuEventDestroy(end)
 
 
 @contextlib.contextmanager
@@ -487,27 +559,32 @@ def describe(device: Device, config: BenchConfig, loop_name: str) -> dict[str, A
     }
 
 
-def summarize(results: Results) -> dict[str, Any]:
-    """Medians and ratios, as the table and the JSON show them."""
-    wake = {
+def _latencies(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    latencies = {
         name: {
             "p50_us": percentile(s, 0.5) * 1e6,
             "p99_us": percentile(s, 0.99) * 1e6,
             "max_us": max(s) * 1e6,
             "trials": len(s),
         }
-        for name, s in results.wake.items()
+        for name, s in samples.items()
     }
+    reference = latencies.get(TO_THREAD, {}).get("p50_us")
+    for figures in latencies.values():
+        if reference:
+            figures["p50_vs_to_thread"] = figures["p50_us"] / reference
+    return latencies
+
+
+def summarize(results: Results) -> dict[str, Any]:
+    """Medians and ratios, as the table and the JSON show them."""
+    wake = _latencies(results.wake)
     cpu = {name: {"cpu_per_wall": statistics.median(s)} for name, s in results.cpu.items()}
     rates = {
         name: {f"{tasks}_tasks_per_s": statistics.median(r) for tasks, r in per.items()}
         for name, per in results.throughput.items()
     }
-    reference_wake = wake.get(TO_THREAD, {}).get("p50_us")
     reference_cpu = cpu.get(SLEEP_0, {}).get("cpu_per_wall")
-    for figures in wake.values():
-        if reference_wake:
-            figures["p50_vs_to_thread"] = figures["p50_us"] / reference_wake
     for figures in cpu.values():
         if reference_cpu:
             figures["vs_busy_poll"] = figures["cpu_per_wall"] / reference_cpu
@@ -520,7 +597,18 @@ def summarize(results: Results) -> dict[str, Any]:
         name: {str(size): figures for size, figures in per.items()}
         for name, per in results.scale.items()
     }
-    return {"wake_latency": wake, "cpu_while_waiting": cpu, "throughput": rates, "scale": scale}
+    hold = {
+        name: {"p50_us": percentile(s, 0.5) * 1e6, "max_us": max(s) * 1e6, "trials": len(s)}
+        for name, s in results.signal_hold.items()
+    }
+    return {
+        "signal_hold": hold,
+        "wake_latency": wake,
+        "wake_latency_short_work": _latencies(results.wake_short),
+        "cpu_while_waiting": cpu,
+        "throughput": rates,
+        "scale": scale,
+    }
 
 
 def _rows(summary: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]]]]:
@@ -531,20 +619,23 @@ def _rows(summary: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]]
         return "-" if value is None else f"{value:.2f}x"
 
     tables: dict[str, tuple[list[str], list[list[str]]]] = {}
-    wake = summary["wake_latency"]
-    tables["wake latency (µs; release of the gate to resumption)"] = (
-        ["contender", "p50", "p99", "max", "p50 vs to_thread"],
-        [
+    for key, title in (
+        ("wake_latency", "wake latency (µs; release of the gate 0.5-3 ms in, to resumption)"),
+        ("wake_latency_short_work", "wake latency, short work (µs; gate released at once)"),
+    ):
+        tables[title] = (
+            ["contender", "p50", "p99", "max", "p50 vs to_thread"],
             [
-                n,
-                number(f["p50_us"]),
-                number(f["p99_us"]),
-                number(f["max_us"]),
-                ratio(f.get("p50_vs_to_thread")),
-            ]
-            for n, f in wake.items()
-        ],
-    )
+                [
+                    n,
+                    number(f["p50_us"]),
+                    number(f["p99_us"]),
+                    number(f["max_us"]),
+                    ratio(f.get("p50_vs_to_thread")),
+                ]
+                for n, f in summary[key].items()
+            ],
+        )
     cpu = summary["cpu_while_waiting"]
     tables["CPU while waiting (Python threads' CPU s per wall s)"] = (
         ["contender", "cpu/wall", "vs sleep(0) loop"],
@@ -566,6 +657,14 @@ def _rows(summary: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]]
             for n, f in rates.items()
         ],
     )
+    if summary["signal_hold"]:
+        tables["how long a completion signal holds its stream (µs, CUDA timing events)"] = (
+            ["signal", "p50", "max"],
+            [
+                [n, number(f["p50_us"], 1), number(f["max_us"], 1)]
+                for n, f in summary["signal_hold"].items()
+            ],
+        )
     scale = summary["scale"]
     sizes = sorted({int(s) for per in scale.values() for s in per})
     tables["scale (pending fences on held streams): loop lag p99 µs / poller tick µs"] = (
@@ -670,16 +769,21 @@ async def _run(device: Device, config: BenchConfig, loop_name: str, quiet: bool)
     results = Results(describe(device, config, loop_name))
     results.meta["contenders"] = [c.name for c in entrants]
     device.chunks_for(config.cpu_work_s)  # calibrate before anything is timed
-    steps = 3 + len(config.scale_sizes) * len(entrants)
+    steps = 4 + len(config.scale_sizes) * len(entrants) + isinstance(target, CudaTarget)
     progress = Progress(steps, quiet)
     try:
-        await wake_latency(target, entrants, config, results)
+        await wake_latency(target, entrants, config, results.wake, (0.0005, 0.003))
         progress.step("wake latency")
+        await wake_latency(target, entrants, config, results.wake_short, (0.0, 0.0))
+        progress.step("wake latency, short work")
         await cpu_while_waiting(target, entrants, config, results)
         progress.step("CPU while waiting")
         await throughput(target, entrants, config, results)
         progress.step("throughput")
         await scale(target, entrants, config, results, progress)
+        if isinstance(target, CudaTarget):
+            signal_hold(target, config, results)
+            progress.step("signal hold")
     finally:
         target.close()
     return results
@@ -712,7 +816,12 @@ def run_bench(
     report = {
         "meta": results.meta,
         "summary": summary,
-        "samples": {"wake_latency_s": results.wake, "cpu_per_wall": results.cpu},
+        "samples": {
+            "wake_latency_s": results.wake,
+            "wake_latency_short_work_s": results.wake_short,
+            "signal_hold_s": results.signal_hold,
+            "cpu_per_wall": results.cpu,
+        },
     }
     if json_path:
         with open(json_path, "w") as file:

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Literal, get_args
 
-__all__ = ["Config", "check_timeout", "configure", "current_config"]
+__all__ = [
+    "STRATEGIES",
+    "Config",
+    "Strategy",
+    "check_strategy",
+    "check_timeout",
+    "configure",
+    "current_config",
+]
+
+Strategy = Literal["auto", "poll", "park"]
+STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,17 +25,32 @@ class Config:
     """The settings every wait uses unless it says otherwise.
 
     Attributes:
+        strategy: How waits wait, unless a wait names its own:
+
+            * ``"auto"`` (the default): re-check for the spin budget, then
+              park. Low latency for short work, no CPU for long work.
+            * ``"poll"``: re-check for the spin budget, then keep polling
+              with sleeps that grow up to ``poll_cap``. No thread and no
+              callback involved; costs a little CPU for as long as work runs.
+            * ``"park"``: no polling on the loop at all: the device's
+              completion signal wakes the loop through the watcher thread.
         spin_budget: Seconds after a wait begins during which the poller
             re-checks at once, yielding to the loop between checks. Short
             device work is seen within microseconds.
         poll_cap: The longest sleep, in seconds, between two checks once the
-            spin budget is spent. Sleeps grow exponentially up to it. It
-            bounds wake latency for long work, against the CPU the checks
-            cost.
+            spin budget is spent under ``"poll"``. Sleeps grow exponentially
+            up to it. It bounds wake latency for long work, against the CPU
+            the checks cost. The watcher also polls at this interval where a
+            completion signal cannot be armed.
+        recheck_interval: How often, in seconds, the watcher re-queries parked
+            fences, whatever the signals say. It bounds how long a parked
+            waiter takes to see a device fault, which sends no signal.
     """
 
-    spin_budget: float = 20e-6
+    strategy: Strategy = "auto"
+    spin_budget: float = 100e-6
     poll_cap: float = 1e-3
+    recheck_interval: float = 0.05
 
 
 _current = Config()
@@ -34,7 +61,13 @@ def current_config() -> Config:
     return _current
 
 
-def configure(*, spin_budget: float | None = None, poll_cap: float | None = None) -> Config:
+def configure(
+    *,
+    strategy: Strategy | None = None,
+    spin_budget: float | None = None,
+    poll_cap: float | None = None,
+    recheck_interval: float | None = None,
+) -> Config:
     """Change the process-wide wait settings; omitted ones stay as they are.
 
     Waits already under way pick up the new values at their next check.
@@ -43,23 +76,34 @@ def configure(*, spin_budget: float | None = None, poll_cap: float | None = None
     settings object at once.
 
     Args:
+        strategy: See :attr:`Config.strategy`: ``"auto"``, ``"poll"`` or
+            ``"park"``.
         spin_budget: See :attr:`Config.spin_budget`; zero or more seconds.
         poll_cap: See :attr:`Config.poll_cap`; more than zero seconds.
+        recheck_interval: See :attr:`Config.recheck_interval`; more than zero
+            seconds.
 
     Returns:
         The settings now in effect.
 
     Raises:
-        TypeError: A value is not a real number.
-        ValueError: A value is negative, NaN or infinite, or ``poll_cap`` is 0.
+        TypeError: A value is not a real number, or the strategy not a string.
+        ValueError: A value is negative, NaN or infinite, ``poll_cap`` or
+            ``recheck_interval`` is 0, or the strategy is unknown.
     """
     global _current
-    changes: dict[str, float] = {}
+    changes: dict[str, object] = {}
+    if strategy is not None:
+        changes["strategy"] = check_strategy(strategy)
     if spin_budget is not None:
         changes["spin_budget"] = _finite_seconds("spin_budget", spin_budget, allow_zero=True)
     if poll_cap is not None:
         changes["poll_cap"] = _finite_seconds("poll_cap", poll_cap, allow_zero=False)
-    _current = replace(_current, **changes)
+    if recheck_interval is not None:
+        changes["recheck_interval"] = _finite_seconds(
+            "recheck_interval", recheck_interval, allow_zero=False
+        )
+    _current = replace(_current, **changes)  # type: ignore[arg-type]
     return _current
 
 
@@ -93,3 +137,20 @@ def check_timeout(timeout: object) -> float:
     if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
     return seconds
+
+
+def check_strategy(strategy: object) -> Strategy:
+    """Validate a strategy name.
+
+    Raises:
+        TypeError: Not a string.
+        ValueError: Not one of ``"auto"``, ``"poll"``, ``"park"``.
+    """
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy must be a string, got {type(strategy).__qualname__}")
+    for known in STRATEGIES:
+        if strategy == known:
+            return known
+    raise ValueError(
+        f"strategy must be one of {', '.join(map(repr, STRATEGIES))}; got {strategy!r}"
+    )

@@ -11,14 +11,17 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Final
 
 from ._backend import Marker, QueueInfo
 from ._exceptions import DeviceError, DriverNotFoundError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Hashable
     from types import ModuleType
+
+    from ._watcher import NativeSignal
 
 __all__ = ["CudaBackend", "check", "cuda_stream_handle", "device_error", "driver"]
 
@@ -31,6 +34,10 @@ PER_THREAD_DEFAULT_STREAM: Final = 2
 _POOL_LIMIT = 4096
 # Blocking waits poll with sleeps that double up to this, staying interruptible.
 _SYNC_SLEEP_CAP_S = 1e-3
+# Side streams kept for completion signals, least recently used dropped first.
+_SIDE_STREAM_LIMIT = 256
+# CU_HOST_TASK_BLOCKING: the driver thread blocks, rather than spins, around it.
+_HOST_TASK_BLOCKING = 0
 
 _ACCEPTS = (
     "a CUDA stream: an object with __cuda_stream__ (cuda.core, PyTorch, numba-cuda, "
@@ -131,12 +138,13 @@ def cuda_stream_handle(stream: object) -> int:
 
 
 class _CudaMarker:
-    """A recorded event and the pool it goes back to."""
+    """A recorded event, its context, and the pool it goes back to."""
 
-    __slots__ = ("event", "pool")
+    __slots__ = ("context", "event", "pool")
 
-    def __init__(self, event: Any, pool: deque[Any]) -> None:
+    def __init__(self, event: Any, context: int, pool: deque[Any]) -> None:
         self.event = event
+        self.context = context
         self.pool = pool
 
 
@@ -155,6 +163,13 @@ class CudaBackend:
     def __init__(self) -> None:
         self._pools: dict[int, deque[Any]] = {}
         self._pools_lock = threading.Lock()
+        # Completion signals run on side streams, one per user stream, that
+        # wait for the fence's event first: the user's stream is never held
+        # by a signal, and one slow stream never delays another's signals.
+        self._side_streams: OrderedDict[Hashable, Any] = OrderedDict()
+        self._side_lock = threading.Lock()
+        self._host_func_v2: bool | None = None  # unknown until first tried
+        self._host_fn: Any = None
 
     def claims(self, stream: object) -> bool:
         if isinstance(stream, bool):
@@ -219,7 +234,7 @@ class CudaBackend:
             key: tuple[int, ...] = (context, handle, threading.get_ident())
         else:
             key = (context, handle)
-        return _CudaMarker(event, pool), QueueInfo(key, in_order=True)
+        return _CudaMarker(event, context, pool), QueueInfo(key, in_order=True)
 
     def query(self, marker: Marker) -> bool:
         assert isinstance(marker, _CudaMarker)
@@ -256,6 +271,57 @@ class CudaBackend:
         (err,) = drv.cuStreamWaitEvent(cu_stream, marker.event, 0)
         if err != drv.CUresult.CUDA_SUCCESS:
             raise device_error(drv, err, "cuStreamWaitEvent failed")
+
+    def _side_stream(self, drv: ModuleType, key: Hashable, context: int) -> Any:
+        with self._side_lock:
+            side = self._side_streams.get(key)
+            if side is not None:
+                self._side_streams.move_to_end(key)
+                return side
+            check(drv.cuCtxPushCurrent(drv.CUcontext(context)), "cuCtxPushCurrent")
+            try:
+                flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+                side = check(drv.cuStreamCreate(flags), "cuStreamCreate")
+            finally:
+                drv.cuCtxPopCurrent()
+            self._side_streams[key] = side
+            if len(self._side_streams) > _SIDE_STREAM_LIMIT:
+                # Destroying a stream with queued work is allowed: the driver
+                # frees it once that work is done.
+                drv.cuStreamDestroy(self._side_streams.popitem(last=False)[1])
+            return side
+
+    def arm(
+        self,
+        marker: Marker,
+        queue: QueueInfo,
+        notify: Callable[[], None],
+        native: NativeSignal | None,
+    ) -> bool:
+        assert isinstance(marker, _CudaMarker)
+        if native is None or self._host_func_v2 is False:
+            return False
+        drv = driver()
+        if self._host_fn is None:
+            self._host_fn = drv.CUhostFn(native.function)
+        try:
+            side = self._side_stream(drv, queue.key, marker.context)
+        except DeviceError:
+            return False  # a faulted context: the watcher's re-check sees the fault
+        (err,) = drv.cuStreamWaitEvent(side, marker.event, 0)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return False
+        try:
+            # The raw v2 entry point: the driver calls sem_post itself. The v1
+            # wrapper of cuda.bindings would take the GIL on the driver thread.
+            (err,) = drv.cuLaunchHostFunc_v2(
+                side, self._host_fn, native.argument, _HOST_TASK_BLOCKING
+            )
+        except RuntimeError:  # FunctionNotFoundError: a driver older than v2
+            self._host_func_v2 = False
+            return False
+        self._host_func_v2 = True
+        return bool(err == drv.CUresult.CUDA_SUCCESS)
 
     def release(self, marker: Marker) -> None:
         assert isinstance(marker, _CudaMarker)

@@ -10,13 +10,15 @@ import time
 from typing import TYPE_CHECKING, Any, Final, NoReturn, final
 
 from ._backend import Backend, Marker, QueueInfo, backend_for
-from ._config import check_timeout
+from ._config import Strategy, check_strategy, check_timeout, current_config
 from ._exceptions import DeviceError
 
 if TYPE_CHECKING:
-    from collections.abc import Generator
+    from collections.abc import Callable, Generator
 
     from typing_extensions import Self
+
+    from ._watcher import NativeSignal
 
 __all__ = ["DONE", "FAILED", "PENDING", "Fence", "record"]
 
@@ -113,6 +115,14 @@ class Fence:
         assert failure is not None
         return copy.copy(failure).with_traceback(None)
 
+    def _arm(self, notify: Callable[[], None], native: NativeSignal | None) -> bool:
+        """Arm the backend's completion signal, unless already settled."""
+        with _settle_lock:  # the marker cannot be released and re-recorded meanwhile
+            marker = self._marker
+            if marker is None:
+                return True
+            return self._backend.arm(marker, self._queue, notify, native)
+
     def _raise_failure(self) -> NoReturn:
         raise self._error()
 
@@ -187,7 +197,7 @@ class Fence:
         if self._state == FAILED:
             self._raise_failure()
 
-    async def wait(self, timeout: float | None = None) -> None:
+    async def wait(self, timeout: float | None = None, *, strategy: Strategy | None = None) -> None:
         """Wait until the device has passed this fence, without blocking the loop.
 
         Works under asyncio (uvloop included) and trio, and so under anyio. No
@@ -199,15 +209,20 @@ class Fence:
 
         Args:
             timeout: Seconds to wait at most; ``None`` waits without limit.
+            strategy: ``"auto"``, ``"poll"`` or ``"park"``; ``None`` uses the
+                process-wide default (see :func:`asyncfence.configure`).
 
         Raises:
             TimeoutError: The timeout expired first. The fence stays valid and
                 can be awaited again.
             DeviceError: The work before the fence failed.
+            ValueError: ``strategy`` is not a known strategy.
         """
         from ._loops import wait_for_fence
 
-        await wait_for_fence(self, check_timeout(timeout))
+        seconds = check_timeout(timeout)
+        chosen = current_config().strategy if strategy is None else check_strategy(strategy)
+        await wait_for_fence(self, seconds, chosen)
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()

@@ -16,8 +16,11 @@ from ._fence import DONE, FAILED, PENDING
 from ._poller import Poller, PollerStatistics
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import trio
 
+    from ._config import Strategy
     from ._fence import Fence
 
 __all__ = ["current_statistics", "wait_for_fence"]
@@ -28,12 +31,12 @@ def _in_trio() -> bool:
     return trio is not None and trio.lowlevel.in_trio_task()
 
 
-async def wait_for_fence(fence: Fence, seconds: float) -> None:
+async def wait_for_fence(fence: Fence, seconds: float, strategy: Strategy) -> None:
     """Wait for ``fence`` on whichever loop runs the calling task."""
     if _in_trio():
-        await _wait_trio(fence, seconds)
+        await _wait_trio(fence, seconds, strategy)
     else:
-        await _wait_asyncio(fence, seconds)
+        await _wait_asyncio(fence, seconds, strategy)
 
 
 def current_statistics() -> PollerStatistics:
@@ -101,6 +104,12 @@ class _AsyncioPoller(Poller):
     def _is_running(self) -> bool:
         return self._handle is not None
 
+    def _call_soon_threadsafe(self, callback: Callable[[], None]) -> object:
+        loop = self._loop()
+        if loop is None:
+            raise RuntimeError("the event loop is gone")
+        return loop.call_soon_threadsafe(callback)
+
     def _ensure_ticking(self) -> None:
         if self._handle is not None and not self._sleeping:
             return
@@ -149,7 +158,7 @@ def _expire(poller: Poller, fence: Fence, waiter: _FutureWaiter, seconds: float)
         waiter.future.set_result(None)
 
 
-async def _wait_asyncio(fence: Fence, seconds: float) -> None:
+async def _wait_asyncio(fence: Fence, seconds: float, strategy: Strategy) -> None:
     loop = _running_asyncio_loop()
     if fence._poll() != PENDING or seconds == 0:
         await asyncio.sleep(0)  # a checkpoint, even when there is nothing to wait for
@@ -157,7 +166,7 @@ async def _wait_asyncio(fence: Fence, seconds: float) -> None:
         return
     poller = _asyncio_poller(loop)
     waiter = _FutureWaiter(loop.create_future())
-    poller.add(fence, waiter)
+    poller.add(fence, waiter, strategy)
     timer = None
     if seconds != math.inf:
         timer = loop.call_later(seconds, _expire, poller, fence, waiter, seconds)
@@ -190,12 +199,19 @@ class _TrioPoller(Poller):
     """Ticks in a system task, which exits whenever nothing is awaited."""
 
     def __init__(self) -> None:
+        import trio
+
         super().__init__()
+        self._token = trio.lowlevel.current_trio_token()
         self._running = False
         self._sleep_scope: trio.CancelScope | None = None
 
     def _is_running(self) -> bool:
         return self._running
+
+    def _call_soon_threadsafe(self, callback: Callable[[], None]) -> object:
+        self._token.run_sync_soon(callback)  # RunFinishedError once the run is over
+        return None
 
     def _ensure_ticking(self) -> None:
         import trio
@@ -242,7 +258,7 @@ def _current_trio_poller(*, create: bool) -> _TrioPoller | None:
         return poller
 
 
-async def _wait_trio(fence: Fence, seconds: float) -> None:
+async def _wait_trio(fence: Fence, seconds: float, strategy: Strategy) -> None:
     import trio
 
     if fence._poll() != PENDING or seconds == 0:
@@ -258,7 +274,7 @@ async def _wait_trio(fence: Fence, seconds: float) -> None:
         return trio.lowlevel.Abort.SUCCEEDED
 
     with trio.move_on_after(seconds):
-        poller.add(fence, waiter)
+        poller.add(fence, waiter, strategy)
         await trio.lowlevel.wait_task_rescheduled(abort)
         return
     _settled_outcome(fence, seconds)

@@ -6,18 +6,25 @@ asyncfence never needs OpenCL installed to import or to use CUDA.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import sys
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from ._backend import Marker, QueueInfo
 from ._exceptions import DeviceError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import pyopencl as cl
+
+    from ._watcher import NativeSignal
 
 __all__ = ["OpenCLBackend"]
 
@@ -56,6 +63,7 @@ class OpenCLBackend:
         self._graveyard: deque[cl.Event] = deque()
         self._sweep_at = _GRAVEYARD_MIN_SWEEP
         self._sweep_lock = threading.Lock()
+        self._callbacks: _EventCallbacks | Literal[False] | None = None
 
     def claims(self, stream: object) -> bool:
         cl = sys.modules.get("pyopencl")
@@ -123,8 +131,35 @@ class OpenCLBackend:
         cl.enqueue_barrier(stream, wait_for=[marker])  # type: ignore[list-item]
         stream.flush()
 
+    def arm(
+        self,
+        marker: Marker,
+        queue: QueueInfo,
+        notify: Callable[[], None],
+        native: NativeSignal | None,
+    ) -> bool:
+        import pyopencl as cl
+
+        event: cl.Event = marker  # type: ignore[assignment]
+        callbacks = self._native_callbacks()
+        if callbacks is not None:
+            return callbacks.arm(event.int_ptr, notify)
+        # pyopencl's own set_callback starts a thread per callback: slower.
+        event.set_callback(cl.command_execution_status.COMPLETE, lambda _status: notify())
+        return True
+
+    def _native_callbacks(self) -> _EventCallbacks | None:
+        if self._callbacks is None:
+            try:
+                self._callbacks = _EventCallbacks()
+            except (OSError, AttributeError):
+                self._callbacks = False
+        return self._callbacks or None
+
     def release(self, marker: Marker) -> None:
-        # deque.append is atomic, and this may run in a finalizer.
+        # Atomic dict and deque operations only: this may run in a finalizer.
+        if self._callbacks:
+            self._callbacks.disarm(marker.int_ptr)  # type: ignore[attr-defined]
         if marker.command_execution_status > 0:  # type: ignore[attr-defined]
             self._graveyard.append(marker)  # type: ignore[arg-type]
 
@@ -143,3 +178,60 @@ class OpenCLBackend:
     def parked_markers(self) -> int:
         """How many released markers are still held until they settle."""
         return len(self._graveyard)
+
+
+_CL_COMPLETE = 0
+_EVENT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p)
+
+
+def _opencl_library() -> ctypes.CDLL:
+    """The OpenCL library pyopencl loaded (its bundled ICD loader, or the system's)."""
+    import pyopencl
+
+    with open("/proc/self/maps") as maps:
+        loaded = {line.split()[-1] for line in maps if "libOpenCL" in line}
+    bundled = sorted(Path(pyopencl.__file__).parent.glob(".libs/libOpenCL*.so*"))
+    for path in [*sorted(loaded), *map(str, bundled), ctypes.util.find_library("OpenCL")]:
+        if path:
+            return ctypes.CDLL(path)
+    raise OSError("no OpenCL library found")
+
+
+class _EventCallbacks:
+    """``clSetEventCallback`` with a ctypes callback.
+
+    The callback runs on a PoCL thread and takes the GIL (OpenCL offers no
+    native signal); it only hands the fence to its loops. pyopencl's own
+    ``Event.set_callback`` would start a thread per callback.
+    """
+
+    def __init__(self) -> None:
+        library = _opencl_library()
+        self._set_callback = library.clSetEventCallback
+        self._set_callback.restype = ctypes.c_int32
+        self._set_callback.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int32,
+            _EVENT_CALLBACK,
+            ctypes.c_void_p,
+        ]
+        # Keyed by the event's address; an entry lives until the callback
+        # fires or the marker is released (PoCL never calls back on failure).
+        self._pending: dict[int, Callable[[], None]] = {}
+        # Kept for the life of the process: the runtime may call it any time.
+        self._trampoline = _EVENT_CALLBACK(self._fire)
+
+    def _fire(self, _event: int, _status: int, key: int | None) -> None:
+        notify = self._pending.pop(key or 0, None)
+        if notify is not None:
+            notify()
+
+    def arm(self, event: int, notify: Callable[[], None]) -> bool:
+        self._pending[event] = notify
+        if self._set_callback(event, _CL_COMPLETE, self._trampoline, event) != 0:
+            self._pending.pop(event, None)
+            return False
+        return True
+
+    def disarm(self, event: int) -> None:
+        self._pending.pop(event, None)

@@ -1,21 +1,33 @@
-"""The ``poll`` strategy: one poller per event loop checks every awaited fence.
+"""One poller per event loop: every wait on that loop goes through it.
 
-The poller is written once here; :mod:`asyncfence._loops` drives it on asyncio
-and on trio. It runs only on its loop's thread.
+Written once here; :mod:`asyncfence._loops` drives it on asyncio and on trio.
+It runs only on its loop's thread, except :class:`~asyncfence._watcher.Mailbox`,
+through which other threads hand it settled fences.
+
+Per strategy:
+
+* ``poll``: the fence is checked on every tick: at once while the spin budget
+  lasts, then after sleeps that double up to the poll cap.
+* ``auto``: checked on every tick while the spin budget lasts, then parked.
+* ``park``: parked at once, never polled.
+
+A parked fence is the watcher's to watch; its completion arrives through the
+mailbox. The poller stops ticking whenever nothing is left to poll.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ._config import current_config
+from ._config import Strategy, current_config
 from ._fence import FAILED, PENDING
+from ._fenceset import FenceSet
+from ._watcher import Mailbox, current_watcher
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
+    from collections.abc import Callable
 
     from ._fence import Fence
 
@@ -35,48 +47,38 @@ class Waiter(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PollerStatistics:
-    """A snapshot of one event loop's poller.
+    """A snapshot of one event loop's waits.
 
     Attributes:
         pending_fences: Fences that at least one task on this loop awaits.
         waiters: Tasks waiting on them.
-        queues: Streams or queues those fences are on.
+        queues: Streams or queues of the fences being polled.
+        parked: Fences handed to the watcher rather than polled.
         ticks: Checks made since the poller was created.
-        queries: Device queries made since the poller was created.
+        queries: Device queries its ticks made.
         running: Whether the poller is scheduled to tick again.
     """
 
     pending_fences: int = 0
     waiters: int = 0
     queues: int = 0
+    parked: int = 0
     ticks: int = 0
     queries: int = 0
     running: bool = False
 
 
-@dataclass(slots=True)
-class _Queue:
-    in_order: bool
-    # In-order queues: a heap by record order, of fences not yet known done
-    # (possibly no longer awaited; those are dropped when they reach the top).
-    heap: list[tuple[int, Fence]] = field(default_factory=list)
-    in_heap: set[Fence] = field(default_factory=set)
-    # Out-of-order queues: every awaited fence, as an ordered set.
-    unordered: dict[Fence, None] = field(default_factory=dict)
-
-
 class Poller:
-    """Checks awaited fences, spinning briefly after each new wait, then backing off.
-
-    On an in-order queue only the oldest awaited fence is queried, since fences
-    there complete in order; on an out-of-order queue every one is. Subclasses
-    schedule :meth:`tick` on their loop.
-    """
+    """The waits of one event loop. Subclasses schedule :meth:`tick` on it."""
 
     def __init__(self) -> None:
-        self._waiters: dict[Fence, dict[Waiter, None]] = {}
-        self._queues: dict[Hashable, _Queue] = {}
+        self._waiters: dict[Fence, dict[Waiter, Strategy]] = {}
         self._waiter_count = 0
+        # Fences with at least one "poll" waiter: polled for as long as they wait.
+        self._eager: dict[Fence, int] = {}
+        self._polled = FenceSet()
+        self._parked: set[Fence] = set()
+        self._mailbox = Mailbox(self._call_soon_threadsafe, self.deliver)
         self._spin_until = 0.0
         self._next_sleep = _FIRST_SLEEP_S
         self._ticks = 0
@@ -91,22 +93,22 @@ class Poller:
     def _is_running(self) -> bool:
         raise NotImplementedError
 
-    def add(self, fence: Fence, waiter: Waiter) -> None:
+    def _call_soon_threadsafe(self, callback: Callable[[], None]) -> object:
+        """Run ``callback`` on the loop soon; callable from any thread."""
+        raise NotImplementedError
+
+    # -- waits -------------------------------------------------------------------
+
+    def add(self, fence: Fence, waiter: Waiter, strategy: Strategy) -> None:
         """Register ``waiter`` to be woken once ``fence`` settles."""
-        waiters = self._waiters.get(fence)
-        if waiters is None:
-            waiters = self._waiters[fence] = {}
-            info = fence._queue
-            queue = self._queues.get(info.key)
-            if queue is None:
-                queue = self._queues[info.key] = _Queue(info.in_order)
-            if not queue.in_order:
-                queue.unordered[fence] = None
-            elif fence not in queue.in_heap:
-                queue.in_heap.add(fence)
-                heapq.heappush(queue.heap, (fence._seq, fence))
-        waiters[waiter] = None
+        self._waiters.setdefault(fence, {})[waiter] = strategy
         self._waiter_count += 1
+        if strategy == "park":
+            self._park(fence)
+            return
+        if strategy == "poll":
+            self._eager[fence] = self._eager.get(fence, 0) + 1
+        self._polled.add(fence)
         # A new wait buys a fresh spin budget: short work is seen at once.
         self._spin_until = time.perf_counter() + current_config().spin_budget
         self._next_sleep = _FIRST_SLEEP_S
@@ -115,66 +117,82 @@ class Poller:
     def discard(self, fence: Fence, waiter: Waiter) -> None:
         """Forget ``waiter`` (cancelled or timed out); a no-op if already woken."""
         waiters = self._waiters.get(fence)
-        if waiters is None or waiters.pop(waiter, False) is False:
+        if waiters is None:
+            return
+        strategy = waiters.pop(waiter, None)
+        if strategy is None:
             return
         self._waiter_count -= 1
+        if strategy == "poll":
+            self._eager[fence] -= 1
+            if not self._eager[fence]:
+                del self._eager[fence]
         if not waiters:
-            del self._waiters[fence]
-            queue = self._queues.get(fence._queue.key)
-            if queue is not None and not queue.in_order:
-                queue.unordered.pop(fence, None)
-            # In-order heap entries are dropped lazily when they reach the top.
+            self._forget(fence)
+
+    def _forget(self, fence: Fence) -> None:
+        """``fence`` has no waiters left on this loop."""
+        self._waiters.pop(fence, None)
+        self._eager.pop(fence, None)
+        self._polled.discard(fence)
+        if fence in self._parked:
+            self._parked.discard(fence)
+            current_watcher().unpark(fence, self._mailbox)
+
+    def _park(self, fence: Fence) -> None:
+        if fence in self._parked:
+            return
+        self._parked.add(fence)
+        current_watcher().park(fence, self._mailbox)
+        # Armed first, checked second: a completion in between is never lost.
+        # Through the mailbox, never synchronously: the waiter may not be
+        # suspended yet.
+        try:
+            settled = fence._poll() != PENDING
+        except Exception:  # deliver() will hand it to the waiters
+            settled = True
+        if settled:
+            self._mailbox.post([fence])
 
     def tick(self) -> float | None:
-        """Check the fences once and wake the waiters of those settled.
+        """Check the polled fences once and wake the waiters of those settled.
 
         Returns:
             Seconds until the next tick (0 to yield and check again at once),
-            or ``None`` when nothing is awaited and the poller should stop.
+            or ``None`` when nothing is left to poll and the poller should stop.
         """
         self._ticks += 1
-        for key, queue in list(self._queues.items()):
-            if queue.in_order:
-                self._check_in_order(queue)
-            else:
-                for fence in list(queue.unordered):
-                    if self._check(fence):
-                        del queue.unordered[fence]
-            if not queue.heap and not queue.unordered:
-                del self._queues[key]
-        if not self._waiter_count:
-            self._queues.clear()
+        self._queries += self._polled.sweep(self._wake_all)
+        if not self._polled:
             return None
         if time.perf_counter() < self._spin_until:
             return 0.0
-        delay = self._next_sleep
-        self._next_sleep = min(delay * 2, current_config().poll_cap)
-        return min(delay, current_config().poll_cap)
+        # The spin budget is spent: what only "auto" waits want is parked.
+        for fence in self._polled.remove_if(lambda fence: fence not in self._eager):
+            self._park(fence)
+        if not self._polled:
+            return None
+        cap = current_config().poll_cap
+        delay = min(self._next_sleep, cap)
+        self._next_sleep = min(delay * 2, cap)
+        return delay
 
-    def _check_in_order(self, queue: _Queue) -> None:
-        heap = queue.heap
-        while heap:
-            fence = heap[0][1]
-            if fence in self._waiters and not self._check(fence):
-                return  # the oldest awaited fence is pending: so are the rest
-            heapq.heappop(heap)
-            queue.in_heap.discard(fence)
-
-    def _check(self, fence: Fence) -> bool:
-        """Query ``fence``; if settled, wake its waiters. Returns whether settled."""
-        if fence._state == PENDING:
-            self._queries += 1
-        try:
-            if fence._poll() == PENDING:
-                return False
-        except Exception as unexpected:  # a backend bug must reach the waiters, not the loop
-            self._wake_all(fence, unexpected)
-        else:
-            self._wake_all(fence, None)
-        return True
+    def deliver(self, fences: list[Fence]) -> None:
+        """Wake the waiters of those ``fences`` that have settled (loop thread)."""
+        for fence in fences:
+            if fence not in self._waiters:
+                continue  # woken already, or every wait was cancelled: harmless
+            try:
+                if fence._poll() == PENDING:
+                    continue
+            except Exception as unexpected:  # a backend bug must reach the waiters
+                self._wake_all(fence, unexpected)
+            else:
+                self._wake_all(fence, None)
 
     def _wake_all(self, fence: Fence, unexpected: Exception | None) -> None:
-        waiters = self._waiters.pop(fence, None)
+        waiters = self._waiters.get(fence)
+        self._forget(fence)
         if not waiters:
             return
         self._waiter_count -= len(waiters)
@@ -183,11 +201,12 @@ class Poller:
             waiter.wake(unexpected or (fence._error() if failed else None))
 
     def statistics(self) -> PollerStatistics:
-        """Return a snapshot of this poller's state and counters."""
+        """Return a snapshot of this loop's waits and counters."""
         return PollerStatistics(
             pending_fences=len(self._waiters),
             waiters=self._waiter_count,
-            queues=len(self._queues),
+            queues=self._polled.queue_count,
+            parked=len(self._parked),
             ticks=self._ticks,
             queries=self._queries,
             running=self._is_running(),

@@ -67,12 +67,31 @@ def unordered_queue(device: OpenCLDevice) -> Iterator[cl.CommandQueue]:
     stream.finish()
 
 
+@pytest.fixture(params=["auto", "poll", "park"])
+def strategy(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test with each waiting strategy as the process-wide default."""
+    previous = asyncfence.configure().strategy
+    asyncfence.configure(strategy=request.param)
+    yield request.param
+    asyncfence.configure(strategy=previous)
+
+
 async def poller_ticks(count: int) -> None:
     """Let the running loop's poller tick ``count`` more times (it must be running)."""
     target = asyncfence.current_statistics().ticks + count
     with anyio.fail_after(10):
         while asyncfence.current_statistics().ticks < target:  # noqa: ASYNC110 (a counter)
             await anyio.sleep(0.0005)
+
+
+async def let_loop_run() -> None:
+    """Give the loop, its poller and the watcher time to act, under any strategy.
+
+    For asserting that something does *not* happen (a waiter resuming while its
+    stream is held); the order of events is always fixed by held streams.
+    """
+    for _ in range(10):
+        await anyio.sleep(0.001)
 
 
 async def until(predicate: Any) -> None:

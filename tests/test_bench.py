@@ -16,6 +16,19 @@ from asyncfence._bench import TO_THREAD, Results, percentile, summarize
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_quick_bench(
+    device: str, *args: str, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncfence", "bench", "--quick", "--device", device, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **env},
+        timeout=300,
+    )
+
+
 def test_percentile_is_nearest_rank() -> None:
     samples = [float(v) for v in range(1, 101)]
     assert percentile(samples, 0.5) == 50.0
@@ -42,25 +55,13 @@ def test_summary_takes_ratios_within_the_run() -> None:
 
 def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) -> None:
     report_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncfence",
-            "bench",
-            "--quick",
-            "--device",
-            "opencl",
-            "--json",
-            str(report_path),
-            "--plot",
-            str(plot_path),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
-        timeout=300,
+    result = run_quick_bench(
+        "opencl",
+        "--json",
+        str(report_path),
+        "--plot",
+        str(plot_path),
+        env={"ASYNCFENCE_CUDA_DRIVER": "none"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(report_path.read_text())
@@ -68,10 +69,12 @@ def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) 
     assert meta["backend"] == "opencl"
     assert meta["cpu_count"] >= 1
     contenders = meta["contenders"]
-    assert {"asyncfence poll", TO_THREAD, "sleep(1ms) loop", "sleep(0) loop"} <= set(contenders)
+    strategies = {"asyncfence auto", "asyncfence poll", "asyncfence park"}
+    assert strategies | {TO_THREAD, "sleep(1ms) loop", "sleep(0) loop"} <= set(contenders)
     for name in contenders:
-        wake = summary["wake_latency"][name]
-        assert 0 < wake["p50_us"] <= wake["p99_us"] <= wake["max_us"]
+        for scenario in ("wake_latency", "wake_latency_short_work"):
+            wake = summary[scenario][name]
+            assert 0 < wake["p50_us"] <= wake["p99_us"] <= wake["max_us"]
         assert summary["cpu_while_waiting"][name]["cpu_per_wall"] >= 0
         rates = summary["throughput"][name]
         assert rates["1_tasks_per_s"] > 0
@@ -81,7 +84,35 @@ def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) 
             assert figures["lag_p99_s"] >= 0
     assert summary["scale"]["asyncfence poll"]["10"]["tick_median_s"] > 0
     assert summary["wake_latency"][TO_THREAD]["p50_vs_to_thread"] == pytest.approx(1.0)
-    for table in ("wake latency", "CPU while waiting", "throughput", "scale"):
+    for table in ("wake latency", "short work", "CPU while waiting", "throughput", "scale"):
         assert table in result.stdout
+    assert summary["signal_hold"] == {}  # a CUDA-only scenario
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[1/" in result.stderr  # progress
+
+
+def test_quick_bench_on_the_emulated_cuda_driver(tmp_path: Path, cuda_mode: str) -> None:
+    if cuda_mode != "emulated":
+        pytest.skip("the GPU check runs the CUDA benchmark on a real driver")
+    from .cuda_emulator import build
+
+    report_path = tmp_path / "bench.json"
+    result = run_quick_bench(
+        "cuda",
+        "--json",
+        str(report_path),
+        "--quiet",
+        env={"LD_LIBRARY_PATH": str(build().parent)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["meta"]["backend"] == "cuda"
+    assert report["meta"]["device"] == "asyncfence emulated device 0"
+    hold = report["summary"]["signal_hold"]
+    assert set(hold) == {
+        "asyncfence: cuLaunchHostFunc_v2(sem_post)",
+        "Python callback: cuLaunchHostFunc",
+    }
+    for figures in hold.values():
+        assert 0 <= figures["p50_us"] <= figures["max_us"]
+    assert "holds its stream" in result.stdout

@@ -18,12 +18,16 @@ from asyncfence._backend import backend_for
 from asyncfence._cuda import CudaBackend
 from asyncfence.testing import hold
 
-from .conftest import poller_ticks, until
+from .conftest import let_loop_run, until
 
 if TYPE_CHECKING:
     from asyncfence._devices import CudaDevice
 
     from .cuda_emulator import Emulator
+
+
+# Every test here runs under each strategy: the semantics do not depend on it.
+pytestmark = pytest.mark.usefixtures("strategy")
 
 
 class ProtocolStream:
@@ -57,7 +61,7 @@ async def test_waiter_stays_pending_until_the_stream_is_released(cuda_stream: An
         async with anyio.create_task_group() as tg:
             tg.start_soon(waiter)
             await until(lambda: asyncfence.current_statistics().waiters == 1)
-            await poller_ticks(5)
+            await let_loop_run()
             assert not resumed.is_set()
             assert not fence.done()
             gate.release()

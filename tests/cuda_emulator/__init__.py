@@ -68,6 +68,8 @@ class Emulator:
             "pending_host_funcs",
             "events_created",
             "live_host_allocs",
+            "host_funcs_v1",
+            "host_funcs_v2",
         ):
             getattr(lib, f"emu_{counter}").restype = ctypes.c_long
         self._lib = lib
@@ -113,6 +115,10 @@ class Emulator:
 
     def live_host_allocs(self) -> int:
         return int(self._lib.emu_live_host_allocs())
+
+    def host_funcs_launched(self) -> tuple[int, int]:
+        """Host functions launched so far through ``cuLaunchHostFunc`` and its ``_v2``."""
+        return int(self._lib.emu_host_funcs_v1()), int(self._lib.emu_host_funcs_v2())
 
 
 def load() -> Emulator:

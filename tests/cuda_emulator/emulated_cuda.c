@@ -53,6 +53,7 @@ typedef struct event {
     unsigned flags;
     uint64_t target; /* generation of the latest record */
     uint64_t done;   /* highest generation the stream has passed */
+    uint64_t stamp_ns; /* when the stream passed it, for timing events */
     int refs;        /* the user's handle plus queued operations */
 } event_t;
 
@@ -90,6 +91,7 @@ static int initialized;
 static int device_count = 2;
 static context_t *primary[MAX_DEVICES];
 static long live_events, live_streams, pending_host_funcs, events_created, live_host_allocs;
+static long host_funcs_v1, host_funcs_v2;
 
 static __thread context_t *ctx_stack[32];
 static __thread int ctx_depth;
@@ -241,7 +243,12 @@ static void *stream_worker(void *arg) {
         int faulted = s->ctx->sticky != 0;
         switch (op->kind) {
         case OP_RECORD:
-            if (!faulted && op->event->done < op->generation) op->event->done = op->generation;
+            if (!faulted && op->event->done < op->generation) {
+                struct timespec now;
+                clock_gettime(CLOCK_MONOTONIC, &now);
+                op->event->stamp_ns = (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec;
+                op->event->done = op->generation;
+            }
             event_unref_locked(op->event);
             break;
         case OP_WAIT_EVENT:
@@ -597,6 +604,21 @@ CUresult cuEventSynchronize(void *handle) {
     return r;
 }
 
+#define EVENT_DISABLE_TIMING 2
+
+CUresult cuEventElapsedTime(float *ms, void *start_handle, void *end_handle) {
+    if (!ms) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    event_t *start = NULL, *end = NULL;
+    CUresult r = resolve_event(start_handle, &start);
+    if (!r) r = resolve_event(end_handle, &end);
+    if (!r && ((start->flags | end->flags) & EVENT_DISABLE_TIMING)) r = INVALID_HANDLE;
+    if (!r && (start->done < start->target || end->done < end->target)) r = NOT_READY;
+    if (!r) *ms = (float)((double)((int64_t)(end->stamp_ns - start->stamp_ns)) / 1e6);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
 CUresult cuStreamWaitEvent(void *stream_handle, void *event_handle, unsigned int flags) {
     if (flags != 0) return INVALID_VALUE;
     pthread_mutex_lock(&mu);
@@ -617,7 +639,7 @@ CUresult cuStreamWaitEvent(void *stream_handle, void *event_handle, unsigned int
 
 /* ---- host functions ----------------------------------------------------------- */
 
-CUresult cuLaunchHostFunc(void *stream_handle, CUhostFn fn, void *data) {
+static CUresult launch_host_func(void *stream_handle, CUhostFn fn, void *data, long *counter) {
     if (!fn) return INVALID_VALUE;
     pthread_mutex_lock(&mu);
     stream_t *s = NULL;
@@ -627,15 +649,20 @@ CUresult cuLaunchHostFunc(void *stream_handle, CUhostFn fn, void *data) {
         op->fn = fn;
         op->data = data;
         pending_host_funcs++;
+        (*counter)++;
         enqueue_locked(s, op);
     }
     pthread_mutex_unlock(&mu);
     return r;
 }
 
+CUresult cuLaunchHostFunc(void *stream_handle, CUhostFn fn, void *data) {
+    return launch_host_func(stream_handle, fn, data, &host_funcs_v1);
+}
+
 CUresult cuLaunchHostFunc_v2(void *stream_handle, CUhostFn fn, void *data, unsigned int sync_mode) {
     if (sync_mode > 1) return INVALID_VALUE;
-    return cuLaunchHostFunc(stream_handle, fn, data);
+    return launch_host_func(stream_handle, fn, data, &host_funcs_v2);
 }
 
 /* ---- stream memory operations ------------------------------------------------- */
@@ -833,6 +860,8 @@ static const struct { const char *name; int version; void *fn; } entry_points[] 
     ENTRY("cuEventRecord", 2000, cuEventRecord),
     ENTRY("cuEventQuery", 2000, cuEventQuery),
     ENTRY("cuEventSynchronize", 2000, cuEventSynchronize),
+    ENTRY("cuEventElapsedTime", 2000, cuEventElapsedTime),
+    ENTRY("cuEventElapsedTime", 12080, cuEventElapsedTime), /* _v2: the same signature */
     ENTRY("cuLaunchHostFunc", 10000, cuLaunchHostFunc),
     ENTRY("cuLaunchHostFunc", 13020, cuLaunchHostFunc_v2),
     ENTRY("cuStreamWaitValue32", 8000, cuStreamWaitValue32),
@@ -944,6 +973,8 @@ long emu_live_streams(void) { return read_counter(&live_streams); }
 long emu_pending_host_funcs(void) { return read_counter(&pending_host_funcs); }
 long emu_events_created(void) { return read_counter(&events_created); }
 long emu_live_host_allocs(void) { return read_counter(&live_host_allocs); }
+long emu_host_funcs_v1(void) { return read_counter(&host_funcs_v1); }
+long emu_host_funcs_v2(void) { return read_counter(&host_funcs_v2); }
 
 /* The flags an event was created with, or -1 for a bad handle. */
 int emu_event_flags(void *handle) {

@@ -1,0 +1,394 @@
+"""Parked waits: completion signals, one watcher thread, coalesced wakes per loop.
+
+A parked fence costs its loop nothing until it completes:
+
+* **CUDA**: a host function launched with ``cuLaunchHostFunc_v2`` (no Python,
+  no GIL) posts a POSIX semaphore with libc's own ``sem_post``. It runs on a
+  side stream that first waits for the fence's event, so the user's stream is
+  never held by the signal, and one slow stream never delays another's.
+* **OpenCL**: the event's completion callback (on a PoCL thread) posts the
+  fence straight to the loops' mailboxes; that is all it does.
+
+One watcher thread per process sleeps on the semaphore. Woken, it queries the
+parked fences that can have completed and posts the settled ones to their
+loops, one ``call_soon_threadsafe`` (or ``run_sync_soon``) per loop per batch.
+It also wakes every ``recheck_interval`` to query everything parked: host
+functions never run after a CUDA context fault, and PoCL never calls back for a
+failed event, so without the re-check a parked waiter could hang forever. It
+starts on first use and exits when nothing has been parked for a while.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ._config import current_config
+from ._fenceset import FenceSet
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ._fence import Fence
+
+__all__ = ["Mailbox", "NativeSignal", "WatcherStatistics", "current_watcher"]
+
+# The watcher thread exits after this long with nothing parked.
+IDLE_EXIT_S = 2.0
+
+_logger = logging.getLogger("asyncfence")
+
+
+@dataclass(frozen=True, slots=True)
+class NativeSignal:
+    """A C function and its argument that wake the watcher, calling no Python.
+
+    Attributes:
+        function: Address of a ``void f(void *)``-compatible C function.
+        argument: The pointer to pass it.
+    """
+
+    function: int
+    argument: int
+
+
+@dataclass(frozen=True, slots=True)
+class WatcherStatistics:
+    """A snapshot of the process's watcher.
+
+    Attributes:
+        running: Whether the watcher thread is alive.
+        parked: Fences parked, across loops.
+        unsignalled: Parked fences without a completion signal, which the
+            watcher polls instead (a CUDA driver without ``cuLaunchHostFunc_v2``).
+        wakeups: Times the thread woke (signals and re-checks).
+        posts: Batches posted to loops.
+    """
+
+    running: bool = False
+    parked: int = 0
+    unsignalled: int = 0
+    wakeups: int = 0
+    posts: int = 0
+
+
+class _Semaphore:
+    """A POSIX semaphore in memory that is never freed, so late posts are safe."""
+
+    _TIMESPEC = ctypes.c_long * 2
+    _CLOCK_MONOTONIC = 1
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = [ctypes.c_size_t]
+        libc.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+        libc.sem_post.argtypes = [ctypes.c_void_p]
+        libc.sem_trywait.argtypes = [ctypes.c_void_p]
+        self._clockwait = getattr(libc, "sem_clockwait", None)
+        if self._clockwait is not None:
+            self._clockwait.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        else:
+            libc.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        # Host functions may still post after the interpreter is gone: plain
+        # malloc, never freed (one per process).
+        self.address = int(libc.malloc(64))
+        if not self.address or libc.sem_init(self.address, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+        self._libc = libc
+        self.native = NativeSignal(
+            function=ctypes.cast(libc.sem_post, ctypes.c_void_p).value or 0,
+            argument=self.address,
+        )
+
+    def post(self) -> None:
+        self._libc.sem_post(self.address)
+
+    def wait(self, timeout: float) -> None:
+        """Block (with the GIL released) until posted or ``timeout`` passes."""
+        clockwait = self._clockwait
+        now = time.clock_gettime(time.CLOCK_MONOTONIC) if clockwait else time.time()
+        deadline = now + timeout
+        seconds = int(deadline)
+        stamp = self._TIMESPEC(seconds, int((deadline - seconds) * 1e9))
+        if clockwait is not None:
+            clockwait(self.address, self._CLOCK_MONOTONIC, ctypes.byref(stamp))
+        else:
+            self._libc.sem_timedwait(self.address, ctypes.byref(stamp))
+
+    def drain(self) -> None:
+        """Consume pending posts, so one batch of signals is one wakeup."""
+        while self._libc.sem_trywait(self.address) == 0:
+            pass
+
+
+class _PythonSemaphore:
+    """Where POSIX semaphores are missing: no native signal, so CUDA waits poll."""
+
+    native: NativeSignal | None = None
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def post(self) -> None:
+        self._event.set()
+
+    def wait(self, timeout: float) -> None:
+        self._event.wait(timeout)
+
+    def drain(self) -> None:
+        self._event.clear()
+
+
+def _make_semaphore() -> _Semaphore | _PythonSemaphore:
+    try:
+        return _Semaphore()
+    except (OSError, AttributeError):
+        return _PythonSemaphore()
+
+
+class Mailbox:
+    """Where the watcher and callbacks post settled fences for one event loop.
+
+    Posts from any thread are coalesced: one call onto the loop drains all
+    that arrived meanwhile.
+
+    Thread-safety: :meth:`post` may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        call_soon_threadsafe: Callable[[Callable[[], None]], object],
+        deliver: Callable[[list[Fence]], None],
+    ) -> None:
+        self._call_soon_threadsafe = call_soon_threadsafe
+        self._deliver = deliver
+        self._lock = threading.Lock()
+        self._fences: list[Fence] = []
+        self._scheduled = False
+        self.closed = False
+
+    def post(self, fences: list[Fence]) -> bool:
+        """Hand ``fences`` to the loop. Never raises.
+
+        Returns:
+            False if the loop is gone (closed, or its run finished).
+        """
+        with self._lock:
+            if self.closed:
+                return False
+            self._fences.extend(fences)
+            if self._scheduled:
+                return True
+            self._scheduled = True
+        try:
+            self._call_soon_threadsafe(self._drain)
+        except RuntimeError:  # a closed asyncio loop; trio's RunFinishedError
+            with self._lock:
+                self.closed = True
+                self._fences.clear()
+            return False
+        return True
+
+    def _drain(self) -> None:
+        with self._lock:
+            fences, self._fences = self._fences, []
+            self._scheduled = False
+        self._deliver(fences)
+
+
+class Watcher:
+    """The process's parked fences, and the thread that watches them.
+
+    Thread-safety: every method may be called from any thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parked = FenceSet()
+        # Immutable tuples, replaced under the lock, so completion callbacks
+        # read them without it (a callback may run inside Fence._arm).
+        self._targets: dict[Fence, tuple[Mailbox, ...]] = {}
+        self._saw_closed_mailbox = False
+        self._unsignalled: set[Fence] = set()
+        self._semaphore = _make_semaphore()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._wakeups = 0
+        self._posts = 0
+
+    def park(self, fence: Fence, mailbox: Mailbox) -> None:
+        """Watch ``fence`` for ``mailbox``'s loop, arming its signal if new.
+
+        The caller re-checks the fence after this returns, so a completion
+        before the signal was armed is never lost.
+        """
+        with self._lock:
+            targets = self._targets.get(fence, ())
+            if mailbox not in targets:
+                self._targets[fence] = (*targets, mailbox)
+            new = self._parked.add(fence)
+            if self._thread is not None and not self._thread.is_alive():
+                _logger.error("asyncfence watcher thread found dead; restarting it")
+                self._thread = None
+            if self._thread is None:
+                self._stopping = False
+                self._thread = threading.Thread(
+                    target=self._run, name="asyncfence watcher", daemon=True
+                )
+                self._thread.start()
+        if not new:
+            return
+        notify = functools.partial(self._notify, weakref.ref(fence))
+        if not fence._arm(notify, self._semaphore.native):
+            with self._lock:
+                if fence in self._parked:
+                    self._unsignalled.add(fence)
+            self._semaphore.post()  # re-plan the wait: unsignalled fences are polled
+
+    def unpark(self, fence: Fence, mailbox: Mailbox) -> None:
+        """Stop watching ``fence`` for ``mailbox``'s loop."""
+        with self._lock:
+            self._remove_target(fence, lambda target: target is mailbox)
+
+    def _remove_target(self, fence: Fence, drop: Callable[[Mailbox], bool]) -> None:
+        """Under the lock: drop some of a fence's loops, and the fence with the last."""
+        targets = tuple(target for target in self._targets.get(fence, ()) if not drop(target))
+        if targets:
+            self._targets[fence] = targets
+            return
+        self._targets.pop(fence, None)
+        self._parked.discard(fence)
+        self._unsignalled.discard(fence)
+
+    def _notify(self, fence_ref: weakref.ref[Fence], *_: object) -> None:
+        """A completion callback: post the fence to its loops, nothing more.
+
+        Takes no lock but the mailboxes': it may run inside ``Fence._arm``.
+        """
+        fence = fence_ref()
+        if fence is None:
+            return
+        for mailbox in self._targets.get(fence, ()):
+            if not mailbox.post([fence]):
+                self._saw_closed_mailbox = True
+                self._semaphore.post()  # the watcher thread drops it
+
+    def _drop_closed_mailboxes(self) -> None:
+        """Under the lock: forget loops that are gone; other loops are unaffected."""
+        self._saw_closed_mailbox = False
+        for fence in list(self._targets):
+            self._remove_target(fence, lambda target: target.closed)
+
+    def _run(self) -> None:
+        try:
+            self._watch()
+        except BaseException:  # never silently: a dead watcher would strand parked waits
+            _logger.exception("asyncfence watcher thread failed; restarting on next park")
+            with self._lock:
+                self._thread = None
+            self._semaphore.post()
+            raise
+
+    def _watch(self) -> None:
+        idle_since: float | None = None
+        while True:
+            config = current_config()
+            timeout = config.poll_cap if self._unsignalled else config.recheck_interval
+            self._semaphore.wait(timeout)
+            self._semaphore.drain()
+            settled: dict[Mailbox, list[Fence]] = {}
+            collect = functools.partial(self._collect, settled)
+            with self._lock:
+                self._wakeups += 1
+                if self._stopping:
+                    self._thread = None
+                    return
+                if self._saw_closed_mailbox:
+                    self._drop_closed_mailboxes()
+                self._parked.sweep(collect)
+                now = time.monotonic()
+                if self._parked:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = now
+                elif now - idle_since > IDLE_EXIT_S:
+                    self._thread = None
+                    return
+            for mailbox, fences in settled.items():
+                self._posts += 1
+                if not mailbox.post(fences):
+                    self._saw_closed_mailbox = True
+
+    def _collect(
+        self, settled: dict[Mailbox, list[Fence]], fence: Fence, _unexpected: Exception | None
+    ) -> None:
+        """Sweep callback, under the lock: group a settled fence by loop."""
+        self._unsignalled.discard(fence)
+        for mailbox in self._targets.pop(fence, ()):
+            settled.setdefault(mailbox, []).append(fence)
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """Ask the thread to exit, and wait for it up to ``timeout``."""
+        with self._lock:
+            thread = self._thread
+            self._stopping = True
+        self._semaphore.post()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def statistics(self) -> WatcherStatistics:
+        """Return a snapshot of the watcher's state and counters."""
+        with self._lock:
+            return WatcherStatistics(
+                running=self._thread is not None,
+                parked=len(self._parked),
+                unsignalled=len(self._unsignalled),
+                wakeups=self._wakeups,
+                posts=self._posts,
+            )
+
+
+_watcher: Watcher | None = None
+_watcher_lock = threading.Lock()
+
+
+def current_watcher() -> Watcher:
+    """The process's watcher, made on first use."""
+    global _watcher
+    if _watcher is None:
+        with _watcher_lock:
+            if _watcher is None:
+                _watcher = Watcher()
+    return _watcher
+
+
+def watcher_statistics() -> WatcherStatistics:
+    """A snapshot of the process's watcher; all zeros before its first use."""
+    watcher = _watcher
+    return watcher.statistics() if watcher is not None else WatcherStatistics()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    if _watcher is not None:
+        _watcher.stop(timeout=0.5)
+
+
+def _after_fork_in_child() -> None:
+    # The parent's thread and loops do not exist here; start afresh.
+    global _watcher
+    _watcher = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
