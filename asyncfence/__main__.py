@@ -21,11 +21,17 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", metavar="PATH", help="plot the distributions (matplotlib)")
     bench.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
     bench.add_argument("--quiet", action="store_true", help="no progress lines")
+    bench.add_argument(
+        "--spin-budget", type=float, metavar="SECONDS", help="the spin budget to measure with"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "bench":
         from ._bench import run_bench
+        from ._config import configure
 
+        if args.spin_budget is not None:
+            configure(spin_budget=args.spin_budget)
         run_bench(
             device=args.device,
             quick=args.quick,

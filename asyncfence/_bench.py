@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._config import STRATEGIES, Strategy
+from ._config import STRATEGIES, Strategy, current_config
 from ._devices import CudaDevice, Device, OpenCLDevice, open_default_device
 from ._fence import record
 from ._loops import _asyncio_poller
@@ -555,6 +555,7 @@ def describe(device: Device, config: BenchConfig, loop_name: str) -> dict[str, A
         "cpu_count": os.cpu_count(),
         "loop": loop_name,
         "quick": config.quick,
+        "spin_budget_s": current_config().spin_budget,
         "versions": versions,
     }
 

@@ -41,6 +41,7 @@ class FenceSet:
 
     def __init__(self) -> None:
         self._members: set[Fence] = set()
+        self._members_per_queue: dict[Hashable, int] = {}
         self._in_heap: set[Fence] = set()
         self._queues: dict[Hashable, _Queue] = {}
 
@@ -56,7 +57,7 @@ class FenceSet:
     @property
     def queue_count(self) -> int:
         """How many streams the members are on."""
-        return len(self._queues)
+        return len(self._members_per_queue)
 
     def add(self, fence: Fence) -> bool:
         """Add ``fence``; returns whether it was new."""
@@ -64,6 +65,7 @@ class FenceSet:
             return False
         self._members.add(fence)
         info = fence._queue
+        self._members_per_queue[info.key] = self._members_per_queue.get(info.key, 0) + 1
         queue = self._queues.get(info.key)
         if queue is None:
             queue = self._queues[info.key] = _Queue(info.in_order)
@@ -78,16 +80,29 @@ class FenceSet:
         """Remove ``fence`` if present."""
         if fence not in self._members:
             return
-        self._members.discard(fence)
+        self._remove_member(fence)
+        if not self._members:
+            self.clear()  # drop stale heap entries: they keep fences alive
+            return
         queue = self._queues.get(fence._queue.key)
         if queue is not None and not queue.in_order:
             queue.unordered.pop(fence, None)
             if not queue.unordered:
                 del self._queues[fence._queue.key]
 
+    def _remove_member(self, fence: Fence) -> None:
+        self._members.discard(fence)
+        key = fence._queue.key
+        remaining = self._members_per_queue[key] - 1
+        if remaining:
+            self._members_per_queue[key] = remaining
+        else:
+            del self._members_per_queue[key]
+
     def clear(self) -> None:
         """Remove every fence."""
         self._members.clear()
+        self._members_per_queue.clear()
         self._in_heap.clear()
         self._queues.clear()
 
@@ -114,7 +129,7 @@ class FenceSet:
                     heapq.heappop(heap)
                     self._in_heap.discard(fence)
                     if fence in self._members:
-                        self._members.discard(fence)
+                        self._remove_member(fence)
                         settled(fence, outcome)  # type: ignore[arg-type]
                 empty = not heap
             else:
@@ -123,7 +138,7 @@ class FenceSet:
                     outcome = self._query(fence)
                     if outcome is not PENDING:
                         del queue.unordered[fence]
-                        self._members.discard(fence)
+                        self._remove_member(fence)
                         settled(fence, outcome)  # type: ignore[arg-type]
                 empty = not queue.unordered
             if empty:
@@ -137,10 +152,3 @@ class FenceSet:
             return PENDING if fence._poll() == PENDING else None
         except Exception as unexpected:  # a backend bug must reach the waiters
             return unexpected
-
-    def remove_if(self, predicate: Callable[[Fence], bool]) -> list[Fence]:
-        """Remove and return every member for which ``predicate`` holds."""
-        removed = [fence for fence in self._members if predicate(fence)]
-        for fence in removed:
-            self.discard(fence)
-        return removed

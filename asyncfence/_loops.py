@@ -110,6 +110,11 @@ class _AsyncioPoller(Poller):
             raise RuntimeError("the event loop is gone")
         return loop.call_soon_threadsafe(callback)
 
+    def _call_soon(self, callback: Callable[[], None]) -> None:
+        loop = self._loop()
+        if loop is not None:
+            loop.call_soon(callback)
+
     def _ensure_ticking(self) -> None:
         if self._handle is not None and not self._sleeping:
             return
@@ -212,6 +217,9 @@ class _TrioPoller(Poller):
     def _call_soon_threadsafe(self, callback: Callable[[], None]) -> object:
         self._token.run_sync_soon(callback)  # RunFinishedError once the run is over
         return None
+
+    def _call_soon(self, callback: Callable[[], None]) -> None:
+        self._call_soon_threadsafe(callback)
 
     def _ensure_ticking(self) -> None:
         import trio

@@ -220,8 +220,16 @@ class _EventCallbacks:
         self._pending: dict[int, Callable[[], None]] = {}
         # Kept for the life of the process: the runtime may call it any time.
         self._trampoline = _EVENT_CALLBACK(self._fire)
+        self._registered_threads: set[int] = set()
 
     def _fire(self, _event: int, _status: int, key: int | None) -> None:
+        thread = threading.get_ident()
+        if thread not in self._registered_threads:
+            # ctypes creates and destroys a Python thread state around every
+            # callback on a foreign thread, tens of µs each time. One extra
+            # GIL-state reference keeps this runtime thread's state alive.
+            ctypes.pythonapi.PyGILState_Ensure()
+            self._registered_threads.add(thread)
         notify = self._pending.pop(key or 0, None)
         if notify is not None:
             notify()

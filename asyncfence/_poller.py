@@ -76,8 +76,11 @@ class Poller:
         self._waiter_count = 0
         # Fences with at least one "poll" waiter: polled for as long as they wait.
         self._eager: dict[Fence, int] = {}
+        # Polled fences only "auto" waits want: parked once the spin budget is spent.
+        self._auto_only: set[Fence] = set()
         self._polled = FenceSet()
         self._parked: set[Fence] = set()
+        self._unpark_soon: set[Fence] = set()
         self._mailbox = Mailbox(self._call_soon_threadsafe, self.deliver)
         self._spin_until = 0.0
         self._next_sleep = _FIRST_SLEEP_S
@@ -97,6 +100,10 @@ class Poller:
         """Run ``callback`` on the loop soon; callable from any thread."""
         raise NotImplementedError
 
+    def _call_soon(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop soon, after what is already scheduled (loop thread)."""
+        raise NotImplementedError
+
     # -- waits -------------------------------------------------------------------
 
     def add(self, fence: Fence, waiter: Waiter, strategy: Strategy) -> None:
@@ -108,6 +115,9 @@ class Poller:
             return
         if strategy == "poll":
             self._eager[fence] = self._eager.get(fence, 0) + 1
+            self._auto_only.discard(fence)
+        elif fence not in self._eager:
+            self._auto_only.add(fence)
         self._polled.add(fence)
         # A new wait buys a fresh spin budget: short work is seen at once.
         self._spin_until = time.perf_counter() + current_config().spin_budget
@@ -127,6 +137,10 @@ class Poller:
             self._eager[fence] -= 1
             if not self._eager[fence]:
                 del self._eager[fence]
+                if "auto" in waiters.values():
+                    self._auto_only.add(fence)
+                else:  # only "park" waits are left, and they are parked
+                    self._polled.discard(fence)
         if not waiters:
             self._forget(fence)
 
@@ -134,15 +148,28 @@ class Poller:
         """``fence`` has no waiters left on this loop."""
         self._waiters.pop(fence, None)
         self._eager.pop(fence, None)
+        self._auto_only.discard(fence)
         self._polled.discard(fence)
         if fence in self._parked:
             self._parked.discard(fence)
-            current_watcher().unpark(fence, self._mailbox)
+            # Batched, and after the woken tasks have run: off the wake path.
+            if not self._unpark_soon:
+                self._call_soon(self._flush_unparks)
+            self._unpark_soon.add(fence)
+
+    def _flush_unparks(self) -> None:
+        watcher = current_watcher()
+        for fence in self._unpark_soon:
+            watcher.unpark(fence, self._mailbox)
+        self._unpark_soon.clear()
 
     def _park(self, fence: Fence) -> None:
         if fence in self._parked:
             return
         self._parked.add(fence)
+        if fence in self._unpark_soon:  # still parked with the watcher, signal armed
+            self._unpark_soon.discard(fence)
+            return
         current_watcher().park(fence, self._mailbox)
         # Armed first, checked second: a completion in between is never lost.
         # Through the mailbox, never synchronously: the waiter may not be
@@ -168,8 +195,10 @@ class Poller:
         if time.perf_counter() < self._spin_until:
             return 0.0
         # The spin budget is spent: what only "auto" waits want is parked.
-        for fence in self._polled.remove_if(lambda fence: fence not in self._eager):
+        for fence in self._auto_only:
+            self._polled.discard(fence)
             self._park(fence)
+        self._auto_only.clear()
         if not self._polled:
             return None
         cap = current_config().poll_cap
@@ -192,13 +221,13 @@ class Poller:
 
     def _wake_all(self, fence: Fence, unexpected: Exception | None) -> None:
         waiters = self._waiters.get(fence)
+        if waiters:
+            # Woken first: their tasks are scheduled ahead of the bookkeeping.
+            self._waiter_count -= len(waiters)
+            failed = fence._state == FAILED
+            for waiter in waiters:
+                waiter.wake(unexpected or (fence._error() if failed else None))
         self._forget(fence)
-        if not waiters:
-            return
-        self._waiter_count -= len(waiters)
-        failed = fence._state == FAILED
-        for waiter in waiters:
-            waiter.wake(unexpected or (fence._error() if failed else None))
 
     def statistics(self) -> PollerStatistics:
         """Return a snapshot of this loop's waits and counters."""

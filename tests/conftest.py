@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -170,3 +171,15 @@ def cuda_stream(cuda_device: CudaDevice) -> Iterator[Any]:
     stream = cuda_device.new_stream()
     yield stream
     driver.cuStreamDestroy(stream)
+
+
+@pytest.fixture(autouse=True)
+def no_asyncfence_errors_logged(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Fail any test during which asyncfence logged an error (its watcher, say)."""
+    yield
+    errors = [
+        record
+        for record in caplog.get_records("call")
+        if record.name.startswith("asyncfence") and record.levelno >= logging.ERROR
+    ]
+    assert not errors, [record.getMessage() for record in errors]

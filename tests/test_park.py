@@ -233,16 +233,24 @@ async def test_a_signal_after_the_waiter_left_is_harmless(queue: Any) -> None:
     await fence.wait(strategy="park")
 
 
-def test_a_closed_loop_leaves_the_watcher_working_for_others(device: OpenCLDevice) -> None:
+@pytest.mark.parametrize("doomed_loop", ["asyncio", "uvloop"])
+def test_a_closed_loop_leaves_the_watcher_working_for_others(
+    device: OpenCLDevice, doomed_loop: str
+) -> None:
     first, second = device.new_stream(), device.new_stream()
     with hold(first) as first_gate, hold(second) as second_gate:
         orphan = asyncfence.record(first)
         survivor = asyncfence.record(second)
-        doomed = asyncio.new_event_loop()
+        if doomed_loop == "uvloop":
+            uvloop = pytest.importorskip("uvloop")
+            doomed = uvloop.new_event_loop()
+        else:
+            doomed = asyncio.new_event_loop()
         orphan_task = doomed.create_task(orphan.wait(strategy="park"))
         doomed.run_until_complete(asyncio.sleep(0.01))  # the orphan is parked
         assert not orphan_task.done()
         doomed.close()  # with its task still waiting
+        orphan_task._log_destroy_pending = False  # its loop is closed: by design
 
         async def main() -> None:
             waiter = asyncio.create_task(survivor.wait(strategy="park"))
@@ -255,7 +263,27 @@ def test_a_closed_loop_leaves_the_watcher_working_for_others(device: OpenCLDevic
         asyncio.run(main())
     assert survivor.done()
     assert asyncfence.watcher_statistics().parked == 0
-    orphan_task._log_destroy_pending = False  # type: ignore[attr-defined]  # by design
+
+
+def test_a_finished_trio_run_refuses_posts_without_raising(queue: Any) -> None:
+    trio = pytest.importorskip("trio")
+    mailboxes: list[Mailbox] = []
+    with hold(queue):
+        fence = asyncfence.record(queue)
+
+        async def main() -> None:
+            with trio.move_on_after(0.01):
+                await fence.wait(strategy="park")
+            from asyncfence._loops import _current_trio_poller
+
+            poller = _current_trio_poller(create=False)
+            assert poller is not None
+            mailboxes.append(poller._mailbox)
+
+        trio.run(main)
+    # A late signal for a run that is over: RunFinishedError must not escape.
+    assert mailboxes[0].post([fence]) is False
+    assert mailboxes[0].closed
 
 
 def test_the_watcher_exits_when_idle(queue: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -302,8 +330,9 @@ def test_mailbox_coalesces_posts_from_many_threads() -> None:
     assert mailbox.post([cast(Any, object())]) is False  # a closed loop: refused, never raised
 
 
+@pytest.mark.parametrize("runner", ["asyncio", "uvloop", "trio"])
 @pytest.mark.parametrize("backend", ["opencl", "cuda"])
-def test_exit_with_fences_pending(backend: str, cuda_mode: str) -> None:
+def test_exit_with_fences_pending(backend: str, runner: str, cuda_mode: str) -> None:
     if backend == "cuda" and cuda_mode != "emulated":
         pytest.skip("runs the subprocess on the emulated driver")
     env = {**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"}
@@ -322,13 +351,22 @@ def test_exit_with_fences_pending(backend: str, cuda_mode: str) -> None:
         gate = StreamGate(stream)  # never released
         fences = [asyncfence.record(stream) for _ in range(3)]
 
+        async def wait_forever():
+            for fence in fences:
+                await fence.wait(strategy="park")
+
         def background():
-            async def wait_forever():
-                await asyncio.gather(*(f.wait(strategy="park") for f in fences))
-            asyncio.run(wait_forever())
+            if {runner!r} == "trio":
+                import trio
+                trio.run(wait_forever)
+            elif {runner!r} == "uvloop":
+                import uvloop
+                uvloop.run(wait_forever())
+            else:
+                asyncio.run(wait_forever())
 
         threading.Thread(target=background, daemon=True).start()
-        while asyncfence.watcher_statistics().parked < 3:
+        while asyncfence.watcher_statistics().parked < 1:
             time.sleep(0.001)
         assert not any(fence.done() for fence in fences)
         print("parked", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import anyio
@@ -10,7 +11,7 @@ import pytest
 import asyncfence
 from asyncfence.testing import hold
 
-from .conftest import poller_ticks, until
+from .conftest import let_loop_run, poller_ticks, until
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -100,3 +101,27 @@ async def test_idle_poller_does_no_work(queue: cl.CommandQueue) -> None:
 async def test_statistics_before_any_wait_are_zero() -> None:
     stats = asyncfence.current_statistics()
     assert stats == asyncfence.PollerStatistics()
+
+
+async def test_mixed_strategies_on_one_fence(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        poll_scope = anyio.CancelScope()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_wait_in, poll_scope, fence, "poll")
+            tg.start_soon(partial(fence.wait, strategy="park"))
+            tg.start_soon(partial(fence.wait, strategy="auto"))
+            await until(lambda: asyncfence.current_statistics().waiters == 3)
+            assert asyncfence.current_statistics().parked == 1
+            await let_loop_run()
+            assert asyncfence.current_statistics().queues == 1  # polled for "poll"
+            poll_scope.cancel()  # the poll waiter leaves: nothing needs polling any more
+            await until(lambda: not asyncfence.current_statistics().running)
+            assert asyncfence.current_statistics().queues == 0
+            gate.release()
+    assert fence.done()
+
+
+async def _wait_in(scope: anyio.CancelScope, fence: asyncfence.Fence, strategy: str) -> None:
+    with scope:
+        await fence.wait(strategy=strategy)  # type: ignore[arg-type]
