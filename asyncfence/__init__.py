@@ -12,9 +12,14 @@ happens on an event loop; several loops may await one fence at once.
 from __future__ import annotations
 
 from ._backend import register_backend as _register_backend
+from ._buffers import DeviceBuffer as DeviceBuffer
+from ._buffers import PinnedBuffer as PinnedBuffer
+from ._buffers import StagingPool as StagingPool
 from ._config import Config as Config
 from ._config import configure as configure
 from ._cuda import CudaBackend as _CudaBackend
+from ._drop_queue import DropQueue as DropQueue
+from ._drop_queue import DropQueueStatistics as DropQueueStatistics
 from ._exceptions import DeviceError as DeviceError
 from ._exceptions import DriverNotFoundError as DriverNotFoundError
 from ._exceptions import FenceError as FenceError
@@ -28,11 +33,16 @@ from ._watcher import watcher_statistics as watcher_statistics
 
 __all__ = (
     "Config",
+    "DeviceBuffer",
     "DeviceError",
     "DriverNotFoundError",
+    "DropQueue",
+    "DropQueueStatistics",
     "Fence",
     "FenceError",
+    "PinnedBuffer",
     "PollerStatistics",
+    "StagingPool",
     "WatcherStatistics",
     "configure",
     "current_statistics",

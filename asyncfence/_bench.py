@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._bench_drop import drop_queue_scenarios
 from ._config import STRATEGIES, Strategy, current_config
 from ._devices import CudaDevice, Device, OpenCLDevice, open_default_device
 from ._fence import record
@@ -313,6 +314,7 @@ class Results:
     wake: dict[str, list[float]] = field(default_factory=dict)
     wake_short: dict[str, list[float]] = field(default_factory=dict)
     signal_hold: dict[str, list[float]] = field(default_factory=dict)
+    drop: dict[str, dict[str, float]] = field(default_factory=dict)
     cpu: dict[str, list[float]] = field(default_factory=dict)
     throughput: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     scale: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
@@ -603,6 +605,7 @@ def summarize(results: Results) -> dict[str, Any]:
         for name, s in results.signal_hold.items()
     }
     return {
+        "drop_queue": results.drop,
         "signal_hold": hold,
         "wake_latency": wake,
         "wake_latency_short_work": _latencies(results.wake_short),
@@ -658,6 +661,33 @@ def _rows(summary: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]]
             for n, f in rates.items()
         ],
     )
+    if summary["drop_queue"]:
+        objects = next(iter(summary["drop_queue"].values()))["objects"]
+        tables[
+            f"drop queue: {objects:,} objects on 16 streams, one stream stuck, then all done"
+        ] = (
+            [
+                "contender",
+                "defer µs",
+                "bytes/object",
+                "release p50 µs",
+                "release p99 µs",
+                "released, 1 stuck",
+                "the rest, ms",
+            ],
+            [
+                [
+                    n,
+                    number(f["defer_us"], 2),
+                    number(f["bytes_per_pending_object"]),
+                    number(f["release_latency_p50_us"]),
+                    number(f["release_latency_p99_us"]),
+                    number(f["released_with_one_stream_stuck"]),
+                    number(f["release_rest_ms"], 1),
+                ]
+                for n, f in summary["drop_queue"].items()
+            ],
+        )
     if summary["signal_hold"]:
         tables["how long a completion signal holds its stream (µs, CUDA timing events)"] = (
             ["signal", "p50", "max"],
@@ -770,7 +800,7 @@ async def _run(device: Device, config: BenchConfig, loop_name: str, quiet: bool)
     results = Results(describe(device, config, loop_name))
     results.meta["contenders"] = [c.name for c in entrants]
     device.chunks_for(config.cpu_work_s)  # calibrate before anything is timed
-    steps = 4 + len(config.scale_sizes) * len(entrants) + isinstance(target, CudaTarget)
+    steps = 5 + len(config.scale_sizes) * len(entrants) + isinstance(target, CudaTarget)
     progress = Progress(steps, quiet)
     try:
         await wake_latency(target, entrants, config, results.wake, (0.0005, 0.003))
@@ -782,6 +812,8 @@ async def _run(device: Device, config: BenchConfig, loop_name: str, quiet: bool)
         await throughput(target, entrants, config, results)
         progress.step("throughput")
         await scale(target, entrants, config, results, progress)
+        results.drop = await drop_queue_scenarios(target, config)
+        progress.step("drop queue")
         if isinstance(target, CudaTarget):
             signal_hold(target, config, results)
             progress.step("signal hold")

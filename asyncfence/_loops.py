@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ._config import Strategy
     from ._fence import Fence
 
-__all__ = ["current_statistics", "wait_for_fence"]
+__all__ = ["current_poller", "current_statistics", "wait_for_fence"]
 
 
 def _in_trio() -> bool:
@@ -37,6 +37,19 @@ async def wait_for_fence(fence: Fence, seconds: float, strategy: Strategy) -> No
         await _wait_trio(fence, seconds, strategy)
     else:
         await _wait_asyncio(fence, seconds, strategy)
+
+
+def current_poller() -> Poller:
+    """The running loop's poller, made on first use.
+
+    Raises:
+        RuntimeError: Called outside an asyncio or trio event loop.
+    """
+    if _in_trio():
+        poller = _current_trio_poller(create=True)
+        assert poller is not None
+        return poller
+    return _asyncio_poller(_running_asyncio_loop())
 
 
 def current_statistics() -> PollerStatistics:

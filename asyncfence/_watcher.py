@@ -45,7 +45,7 @@ __all__ = ["Mailbox", "NativeSignal", "WatcherStatistics", "current_watcher"]
 # The watcher thread exits after this long with nothing parked.
 IDLE_EXIT_S = 2.0
 
-_logger = logging.getLogger("asyncfence")
+_logger = logging.getLogger("asyncfence.watcher")
 
 
 @dataclass(frozen=True, slots=True)

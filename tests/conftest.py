@@ -175,11 +175,11 @@ def cuda_stream(cuda_device: CudaDevice) -> Iterator[Any]:
 
 @pytest.fixture(autouse=True)
 def no_asyncfence_errors_logged(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    """Fail any test during which asyncfence logged an error (its watcher, say)."""
+    """Fail any test during which the watcher thread logged an error."""
     yield
     errors = [
         record
         for record in caplog.get_records("call")
-        if record.name.startswith("asyncfence") and record.levelno >= logging.ERROR
+        if record.name == "asyncfence.watcher" and record.levelno >= logging.ERROR
     ]
     assert not errors, [record.getMessage() for record in errors]

@@ -87,6 +87,17 @@ def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) 
     for table in ("wake latency", "short work", "CPU while waiting", "throughput", "scale"):
         assert table in result.stdout
     assert summary["signal_hold"] == {}  # a CUDA-only scenario
+    drop = summary["drop_queue"]
+    ours, lazy = drop["asyncfence DropQueue"], drop["lazy pool (free at next alloc)"]
+    assert ours["objects"] == lazy["objects"] == 10_000
+    # Work on 15 of 16 streams completed: the drop queue released all of it; a
+    # lazy FIFO pool is stuck behind the first object, on the stuck stream.
+    assert ours["released_with_one_stream_stuck"] == 10_000 - 10_000 // 16
+    assert lazy["released_with_one_stream_stuck"] == 0
+    for figures in (ours, lazy):
+        assert figures["defer_us"] > 0
+        assert figures["bytes_per_pending_object"] > 0
+        assert 0 < figures["release_latency_p50_us"] <= figures["release_latency_p99_us"]
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[1/" in result.stderr  # progress
 

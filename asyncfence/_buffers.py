@@ -1,0 +1,235 @@
+"""Buffers the drop queue typically holds: pinned host memory, device memory, a staging pool."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Generic, TypeVar, final
+
+import anyio
+
+from ._drop_queue import DropQueue
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from ._fence import Fence
+
+__all__ = ["DeviceBuffer", "PinnedBuffer", "StagingPool"]
+
+_logger = logging.getLogger("asyncfence.buffers")
+T = TypeVar("T")
+
+
+class _CudaAllocation:
+    """Memory from the CUDA driver, freed once, by :meth:`free`."""
+
+    __slots__ = ("_address", "_lock", "nbytes")
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self._address = address
+        self.nbytes = nbytes
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> int:
+        """The address; raises once freed.
+
+        Raises:
+            ValueError: The memory was freed.
+        """
+        if not self._address:
+            raise ValueError(f"{self!r} was freed")
+        return self._address
+
+    @property
+    def freed(self) -> bool:
+        """Whether :meth:`free` has run."""
+        return not self._address
+
+    def _release(self, address: int) -> None:
+        raise NotImplementedError
+
+    def free(self) -> None:
+        """Give the memory back to the driver. A no-op the second time. Thread-safe."""
+        with self._lock:
+            address, self._address = self._address, 0
+        if address:
+            self._release(address)
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else hex(self._address)
+        return f"<asyncfence.{type(self).__name__} {self.nbytes} bytes at {state}>"
+
+
+def _check_nbytes(nbytes: object) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(f"nbytes must be an int, got {type(nbytes).__qualname__}")
+    if nbytes < 1:
+        raise ValueError(f"nbytes must be at least 1, got {nbytes}")
+    return nbytes
+
+
+@final
+class PinnedBuffer(_CudaAllocation):
+    """Page-locked host memory (``cuMemHostAlloc``), for async copies to the device.
+
+    Mapped into the device's address space and usable from every context
+    (``CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP``). Hand it to a
+    :class:`DropQueue` with ``free=PinnedBuffer.free`` behind the copy that
+    reads it.
+
+    Thread-safety: :meth:`free` may be called from any thread, once or more.
+
+    Args:
+        nbytes: Its size.
+
+    Raises:
+        DriverNotFoundError: No NVIDIA driver.
+        DeviceError: The allocation failed, or no context is current.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        from ._cuda import check, driver
+
+        drv = driver()
+        size = _check_nbytes(nbytes)
+        flags = drv.CU_MEMHOSTALLOC_PORTABLE | drv.CU_MEMHOSTALLOC_DEVICEMAP
+        super().__init__(int(check(drv.cuMemHostAlloc(size, flags), "cuMemHostAlloc")), size)
+
+    def _release(self, address: int) -> None:
+        from ._cuda import check, driver
+
+        check(driver().cuMemFreeHost(address), "cuMemFreeHost")
+
+    def view(self) -> memoryview:
+        """A writable byte view of the buffer; do not use it after :meth:`free`."""
+        return memoryview((ctypes.c_char * self.nbytes).from_address(self.address)).cast("B")
+
+
+@final
+class DeviceBuffer(_CudaAllocation):
+    """Device memory (``cuMemAlloc``) in the current context.
+
+    ``free`` is ``cuMemFree``, which may wait for the device: behind a
+    :class:`DropQueue` the work that used the memory is already done.
+
+    Thread-safety: :meth:`free` may be called from any thread, once or more.
+
+    Args:
+        nbytes: Its size.
+
+    Raises:
+        DriverNotFoundError: No NVIDIA driver.
+        DeviceError: The allocation failed, or no context is current.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        from ._cuda import check, driver
+
+        size = _check_nbytes(nbytes)
+        super().__init__(int(check(driver().cuMemAlloc(size), "cuMemAlloc")), size)
+
+    def _release(self, address: int) -> None:
+        from ._cuda import check, driver
+
+        check(driver().cuMemFree(address), "cuMemFree")
+
+
+@final
+class StagingPool(Generic[T]):
+    """A fixed set of staging buffers, each handed out again only once reusable.
+
+    The pattern of an async host-to-device pipeline: :meth:`acquire` a buffer,
+    fill it, queue the copy that reads it, record a fence, then
+    :meth:`release_after` that fence. The buffer returns to the pool only when
+    the device has passed the fence, so the next producer can never overwrite
+    data a copy is still reading. A buffer whose fence failed is not reused.
+
+    Cancellation: a cancelled :meth:`acquire` takes no buffer.
+
+    Thread-safety: :meth:`release_after` may be called from any thread; the
+    rest belongs to the pool's event loop.
+
+    Args:
+        make: Makes one buffer; called ``count`` times up front.
+        count: How many buffers.
+        dispose: Called with each buffer by :meth:`aclose` (``PinnedBuffer.free``,
+            say); by default the pool just lets go of them.
+    """
+
+    def __init__(
+        self,
+        make: Callable[[], T],
+        count: int,
+        *,
+        dispose: Callable[[T], object] | None = None,
+    ) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an int of at least 1, got {count!r}")
+        self._free: deque[T] = deque(make() for _ in range(count))
+        self._count = count
+        self._dispose = dispose
+        self._returns = DropQueue(on_fault=self._lose)
+        self._lost: list[T] = []
+        self._changed: anyio.Event | None = None
+
+    @classmethod
+    def pinned(cls, nbytes: int, count: int) -> StagingPool[PinnedBuffer]:
+        """A pool of ``count`` pinned host buffers of ``nbytes`` each, freed on close."""
+        return StagingPool(lambda: PinnedBuffer(nbytes), count, dispose=PinnedBuffer.free)
+
+    @property
+    def available(self) -> int:
+        """Buffers ready to hand out now."""
+        return len(self._free)
+
+    async def acquire(self) -> T:
+        """Take a buffer, waiting until one is reusable. Always a checkpoint.
+
+        Raises:
+            RuntimeError: Every buffer was lost to device faults.
+        """
+        await anyio.lowlevel.checkpoint()
+        while not self._free:
+            if len(self._lost) == self._count:
+                raise RuntimeError("every staging buffer was lost to a device fault")
+            if self._changed is None:
+                self._changed = anyio.Event()
+            await self._changed.wait()
+        return self._free.popleft()
+
+    def release_after(self, fence_or_fences: Fence | Iterable[Fence], buffer: T) -> None:
+        """Return ``buffer`` to the pool once the fences given have completed.
+
+        Thread-safety: safe from any thread.
+        """
+        self._returns.defer(fence_or_fences, buffer, free=self._give_back)
+
+    def _give_back(self, buffer: T) -> None:
+        self._free.append(buffer)
+        self._wake()
+
+    def _lose(self, buffer: T, error: BaseException) -> None:
+        _logger.warning("a staging buffer is retired: the work that read it failed (%s)", error)
+        self._lost.append(buffer)
+        self._wake()
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
+
+    async def aclose(self) -> None:
+        """Wait for every buffer out on the device to come back, then dispose of all.
+
+        Buffers lost to faults are kept, never disposed: the device may still
+        touch them.
+        """
+        await self._returns.aclose()
+        buffers, self._free = list(self._free), deque()
+        if self._dispose is not None:
+            for buffer in buffers:
+                self._dispose(buffer)

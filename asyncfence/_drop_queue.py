@@ -1,0 +1,498 @@
+"""The async drop queue: keep buffers alive until the work that reads them is done."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, final
+
+import anyio
+
+from ._config import check_timeout, current_config
+from ._exceptions import FenceError
+from ._fence import FAILED, PENDING, Fence
+from ._loops import current_poller
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from typing_extensions import Self
+
+    from ._poller import Poller
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import ExceptionGroup
+
+__all__ = ["DropQueue", "DropQueueStatistics", "FaultHandler"]
+
+_logger = logging.getLogger("asyncfence.drop_queue")
+
+#: Called with an object whose fences failed, and the failure, on the queue's loop.
+FaultHandler = Callable[[Any, BaseException], None]
+
+
+@dataclass(frozen=True, slots=True)
+class DropQueueStatistics:
+    """A snapshot of a :class:`DropQueue`.
+
+    Attributes:
+        pending_items: Objects deferred and not yet released.
+        pending_bytes: Their ``nbytes``, summed.
+        released: Objects released since the queue was made (their ``free``
+            called, or the reference dropped).
+        failed_frees: Of those, how many had a ``free`` that raised.
+        faulted: Objects handed to ``on_fault`` (their fences failed, or the
+            queue closed with ``cancel_pending=True``).
+        oldest_pending_age: Seconds since the oldest pending object was
+            deferred; 0 with nothing pending.
+    """
+
+    pending_items: int
+    pending_bytes: int
+    released: int
+    failed_frees: int
+    faulted: int
+    oldest_pending_age: float
+
+
+class _Item:
+    """One deferred object, waiting for its fences."""
+
+    __slots__ = ("deferred_at", "failure", "fences", "free", "nbytes", "obj", "remaining", "seq")
+
+    def __init__(
+        self,
+        seq: int,
+        obj: object,
+        fences: list[Fence],
+        free: Callable[[Any], object] | None,
+        nbytes: int,
+    ) -> None:
+        self.seq = seq
+        self.obj: object = obj
+        self.fences = fences
+        self.free = free
+        self.nbytes = nbytes
+        self.remaining = len(fences)
+        self.failure: BaseException | None = None
+        self.deferred_at = time.monotonic()
+
+
+class _ItemWaiter:
+    """Waits on one of an item's fences, in the loop's poller."""
+
+    __slots__ = ("item", "queue")
+
+    def __init__(self, queue: DropQueue, item: _Item) -> None:
+        self.queue = queue
+        self.item = item
+
+    def wake(self, error: BaseException | None) -> None:
+        self.queue._fence_settled(self.item, error)
+
+
+def _fences_of(fence_or_fences: Fence | Iterable[Fence]) -> list[Fence]:
+    given: object = fence_or_fences
+    if isinstance(given, Fence):
+        return [given]
+    if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+        raise TypeError(
+            "expected an asyncfence.Fence or an iterable of them, "
+            f"got {type(fence_or_fences).__qualname__}"
+        )
+    fences = list(given)
+    for fence in fences:
+        if not isinstance(fence, Fence):
+            raise TypeError(f"expected asyncfence.Fence objects, got {type(fence).__qualname__}")
+    return fences
+
+
+def _limit(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be None or an int, got {type(value).__qualname__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+@final
+class DropQueue:
+    """Keeps objects alive until the fences of the work that reads them complete.
+
+    ``defer(fence, buffer, free=release)`` hands the queue a buffer that device
+    work still reads; the queue calls ``release(buffer)`` on its event loop as
+    soon as the fence completes, never before, through the same waiting
+    machinery as ``await fence``. A pending fence on one stream never holds
+    back a release on another.
+
+    The queue belongs to the event loop it is first used on (asyncio, uvloop
+    or trio): made inside a running loop, to that loop; otherwise to the loop
+    of the first ``await`` on it. Objects deferred before then wait for it.
+
+    Failures:
+
+    * A ``free`` that raises is logged and counted; the other frees go on.
+      :meth:`drain` and :meth:`aclose` raise the errors so far together as an
+      ``ExceptionGroup``.
+    * An object whose fences failed (a device fault) is not freed as if its
+      work were done: it goes to ``on_fault(obj, error)``. The default handler
+      logs a warning and keeps the object, for :attr:`faulted`: memory a
+      faulted device may still touch is never handed back for reuse.
+
+    Cancellation: cancelling :meth:`wait_for_room`, :meth:`drain` or
+    :meth:`aclose` cancels no device work and releases nothing early; deferred
+    objects stay in the queue.
+
+    Thread-safety: :meth:`defer` and :meth:`statistics` may be called from any
+    thread. The rest belongs to the queue's loop.
+
+    Args:
+        max_bytes: The byte budget :meth:`wait_for_room` keeps producers within.
+        max_items: The item budget :meth:`wait_for_room` keeps producers within.
+        on_fault: Called on the queue's loop with each object whose fences
+            failed, and the error; by default, log and keep it.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int | None = None,
+        max_items: int | None = None,
+        on_fault: FaultHandler | None = None,
+    ) -> None:
+        if on_fault is not None and not callable(on_fault):
+            raise TypeError(f"on_fault must be callable, got {type(on_fault).__qualname__}")
+        self._max_bytes = _limit("max_bytes", max_bytes)
+        self._max_items = _limit("max_items", max_items)
+        self._on_fault = on_fault or self._keep_faulted
+        self._lock = threading.Lock()
+        self._sequence = itertools.count()
+        # Every object not yet released, in the order deferred (oldest first).
+        self._unfinished: dict[int, _Item] = {}
+        self._inbox: list[_Item] = []
+        self._inbox_scheduled = False
+        self._pending_bytes = 0
+        self._released = 0
+        self._failed_frees = 0
+        self._faulted_count = 0
+        self._free_errors: list[Exception] = []
+        self._faulted: list[tuple[object, BaseException]] = []
+        self._changed: anyio.Event | None = None
+        self._closed = False
+        self._poller: Poller | None = None
+        with contextlib.suppress(RuntimeError):  # no running loop: bound on first use
+            self._poller = current_poller()
+
+    # -- any thread -------------------------------------------------------------
+
+    def defer(
+        self,
+        fence_or_fences: Fence | Iterable[Fence],
+        obj: object,
+        *,
+        free: Callable[[Any], object] | None = None,
+        nbytes: int | None = None,
+    ) -> None:
+        """Keep ``obj`` alive until every fence given has completed, then release it.
+
+        Released means ``free(obj)`` is called on the queue's loop, or, without
+        ``free``, the queue drops its reference. Never blocks and never refuses
+        for lack of room: producers that want a budget await
+        :meth:`wait_for_room` first.
+
+        Thread-safety: safe to call from any thread, and from ``free`` itself.
+
+        Args:
+            fence_or_fences: A fence, or an iterable of fences (all must
+                complete; none means release at once).
+            obj: The object to keep alive.
+            free: Called with ``obj`` once its fences completed.
+            nbytes: Its size for the byte budget; by default ``obj.nbytes``
+                where it has one, else 0.
+
+        Raises:
+            TypeError: A fence is not a Fence, ``free`` is not callable, or
+                ``nbytes`` is not an int.
+            ValueError: ``nbytes`` is negative.
+            RuntimeError: The queue is closed.
+        """
+        fences = _fences_of(fence_or_fences)
+        if free is not None and not callable(free):
+            raise TypeError(f"free must be callable, got {type(free).__qualname__}")
+        if nbytes is None:
+            size = getattr(obj, "nbytes", 0)
+            nbytes = size if isinstance(size, int) and size >= 0 else 0
+        elif isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"nbytes must be an int, got {type(nbytes).__qualname__}")
+        elif nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if self._poller is None:
+            with contextlib.suppress(RuntimeError):  # from a loop: that loop owns the queue
+                self._bind()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this DropQueue is closed")
+            item = _Item(next(self._sequence), obj, fences, free, nbytes)
+            self._unfinished[item.seq] = item
+            self._pending_bytes += nbytes
+            self._inbox.append(item)
+            schedule = self._poller is not None and not self._inbox_scheduled
+            if schedule:
+                self._inbox_scheduled = True
+            poller = self._poller
+        if schedule:
+            assert poller is not None
+            try:
+                poller._call_soon_threadsafe(self._take_inbox)
+            except RuntimeError:  # the loop is gone: the items stay pending, visibly
+                _logger.error("the DropQueue's event loop is closed; %r stays pending", obj)
+
+    def statistics(self) -> DropQueueStatistics:
+        """Return a snapshot of the queue. Thread-safe."""
+        with self._lock:
+            oldest = next(iter(self._unfinished.values()), None)
+            return DropQueueStatistics(
+                pending_items=len(self._unfinished),
+                pending_bytes=self._pending_bytes,
+                released=self._released,
+                failed_frees=self._failed_frees,
+                faulted=self._faulted_count,
+                oldest_pending_age=0.0 if oldest is None else time.monotonic() - oldest.deferred_at,
+            )
+
+    @property
+    def faulted(self) -> list[tuple[object, BaseException]]:
+        """Objects the default ``on_fault`` kept, with the errors: a copy."""
+        with self._lock:
+            return list(self._faulted)
+
+    # -- the queue's loop ---------------------------------------------------------
+
+    def _bind(self) -> Poller:
+        poller = current_poller()
+        with self._lock:
+            if self._poller is None:
+                self._poller = poller
+                schedule = bool(self._inbox) and not self._inbox_scheduled
+                self._inbox_scheduled |= schedule
+            elif self._poller is not poller:
+                raise RuntimeError("this DropQueue belongs to another event loop")
+            else:
+                schedule = False
+        if schedule:
+            poller._call_soon(self._take_inbox)
+        return poller
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            items, self._inbox = self._inbox, []
+            self._inbox_scheduled = False
+            poller = self._poller
+        assert poller is not None
+        strategy = current_config().strategy
+        for item in items:
+            if not item.fences:
+                self._finish(item)
+                continue
+            for fence in item.fences:
+                try:
+                    state = fence._poll()
+                except Exception as unexpected:
+                    self._fence_settled(item, unexpected)
+                    continue
+                if state == PENDING:
+                    poller.add(fence, _ItemWaiter(self, item), strategy)
+                else:
+                    self._fence_settled(item, fence._error() if state == FAILED else None)
+
+    def _fence_settled(self, item: _Item, error: BaseException | None) -> None:
+        if error is not None and item.failure is None:
+            item.failure = error
+        item.remaining -= 1
+        if item.remaining == 0:
+            self._finish(item)
+
+    def _finish(self, item: _Item) -> None:
+        """Release ``item``, or hand it to ``on_fault``; never raises."""
+        obj, free, failure = item.obj, item.free, item.failure
+        item.obj = item.free = None
+        item.fences = []
+        if failure is None:
+            free_error: Exception | None = None
+            if free is not None:
+                try:
+                    free(obj)
+                except Exception as error:
+                    free_error = error
+                    _logger.error("free(%r) failed; the queue goes on", obj, exc_info=error)
+            self._retire(item, released=True, free_error=free_error)
+        else:
+            self._retire(item, released=False, free_error=None)
+            self._hand_to_on_fault(obj, failure)
+        del obj
+
+    def _hand_to_on_fault(self, obj: object, error: BaseException) -> None:
+        try:
+            self._on_fault(obj, error)
+        except Exception:
+            _logger.exception("on_fault(%r) failed; the object is kept", obj)
+            with self._lock:
+                self._faulted.append((obj, error))
+
+    def _keep_faulted(self, obj: object, error: BaseException) -> None:
+        _logger.warning("keeping %r: the work that reads it failed (%s)", obj, error)
+        with self._lock:
+            self._faulted.append((obj, error))
+
+    def _retire(self, item: _Item, *, released: bool, free_error: Exception | None) -> None:
+        with self._lock:
+            del self._unfinished[item.seq]
+            self._pending_bytes -= item.nbytes
+            if released:
+                self._released += 1
+            else:
+                self._faulted_count += 1
+            if free_error is not None:
+                self._failed_frees += 1
+                self._free_errors.append(free_error)
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        """Wait on the loop until ``condition()`` holds; always a checkpoint."""
+        await anyio.lowlevel.checkpoint()
+        while not condition():
+            if self._changed is None:
+                self._changed = anyio.Event()
+            await self._changed.wait()
+
+    def _raise_free_errors(self) -> None:
+        with self._lock:
+            errors, self._free_errors = self._free_errors, []
+        if errors:
+            raise ExceptionGroup("free() raised for objects the DropQueue released", errors)
+
+    async def wait_for_room(self, nbytes: int = 0) -> None:
+        """Wait until one more object of ``nbytes`` fits the queue's budget.
+
+        Fits means fewer than ``max_items`` objects pending, and ``nbytes``
+        more within ``max_bytes``; an object larger than ``max_bytes`` alone
+        fits once nothing else is pending. Without budgets it returns at once
+        (after a checkpoint).
+
+        Cancellation: a cancelled wait leaves the queue as it was.
+
+        Raises:
+            TypeError: ``nbytes`` is not an int.
+            ValueError: ``nbytes`` is negative.
+            RuntimeError: The queue belongs to another event loop.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"nbytes must be an int, got {type(nbytes).__qualname__}")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        self._bind()
+
+        def fits() -> bool:
+            pending = len(self._unfinished)
+            if self._max_items is not None and pending >= self._max_items:
+                return False
+            if self._max_bytes is None or self._pending_bytes + nbytes <= self._max_bytes:
+                return True
+            return pending == 0
+
+        await self._until(fits)
+
+    async def drain(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 (the API)
+        """Wait until everything deferred before this call has been released.
+
+        Objects handed to ``on_fault`` count as done. Objects deferred after
+        the call began are not waited for.
+
+        Cancellation: nothing is released early; the objects stay queued.
+
+        Args:
+            timeout: Seconds to wait at most; ``None`` waits without limit.
+
+        Raises:
+            TimeoutError: The timeout expired first; the queue is unchanged.
+            ExceptionGroup: ``free`` raised for some objects released since
+                the last drain; the queue went on regardless.
+            RuntimeError: The queue belongs to another event loop.
+        """
+        seconds = check_timeout(timeout)
+        self._bind()
+        with self._lock:
+            target = next(self._sequence)  # every earlier object must be done
+
+        def done() -> bool:
+            oldest = next(iter(self._unfinished), None)
+            return oldest is None or oldest > target
+
+        with anyio.fail_after(None if seconds == float("inf") else seconds):
+            await self._until(done)
+        self._raise_free_errors()
+
+    async def aclose(self, *, cancel_pending: bool = False) -> None:
+        """Close the queue: drain it, or hand what is pending to ``on_fault``.
+
+        Nothing is ever dropped silently. After closing, :meth:`defer` raises.
+
+        Args:
+            cancel_pending: Instead of waiting, hand each pending object to
+                ``on_fault`` with a :class:`~asyncfence.FenceError` saying so.
+                Its fences are no longer watched.
+
+        Raises:
+            ExceptionGroup: ``free`` raised for some released objects.
+        """
+        poller = self._bind()
+        if cancel_pending:
+            await anyio.lowlevel.checkpoint()
+            with self._lock:
+                self._closed = True
+                self._inbox.clear()
+                pending = list(self._unfinished.values())
+            for item in pending:
+                for fence in item.fences:
+                    for waiter in list(poller._waiters.get(fence, ())):
+                        if isinstance(waiter, _ItemWaiter) and waiter.item is item:
+                            poller.discard(fence, waiter)
+                item.failure = FenceError(
+                    "the DropQueue closed with cancel_pending=True before this "
+                    "object's fences completed"
+                )
+                self._finish(item)
+        else:
+            await self.drain()
+            with self._lock:
+                self._closed = True
+        self._raise_free_errors()
+
+    async def __aenter__(self) -> Self:
+        self._bind()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        stats = self.statistics()
+        return (
+            f"<asyncfence.DropQueue {stats.pending_items} pending, "
+            f"{stats.pending_bytes} bytes, {stats.released} released>"
+        )
