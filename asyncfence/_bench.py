@@ -65,7 +65,7 @@ class BenchConfig:
     cpu_trials: int = 5
     cpu_work_s: float = 0.2
     throughput_window_s: float = 0.5
-    throughput_rounds: int = 3
+    throughput_rounds: int = 5
     scale_sizes: tuple[int, ...] = (10, 1000, 10000)
     scale_window_s: float = 0.5
     streams: int = 64

@@ -48,7 +48,7 @@ class Config:
     """
 
     strategy: Strategy = "auto"
-    spin_budget: float = 100e-6
+    spin_budget: float = 200e-6
     poll_cap: float = 1e-3
     recheck_interval: float = 0.05
 

@@ -59,6 +59,10 @@ class FenceSet:
         """How many streams the members are on."""
         return len(self._members_per_queue)
 
+    def on_queue_of(self, fence: Fence) -> int:
+        """How many members share ``fence``'s queue (``fence`` included, if a member)."""
+        return self._members_per_queue.get(fence._queue.key, 0)
+
     def add(self, fence: Fence) -> bool:
         """Add ``fence``; returns whether it was new."""
         if fence in self._members:
@@ -105,6 +109,40 @@ class FenceSet:
         self._members_per_queue.clear()
         self._in_heap.clear()
         self._queues.clear()
+
+    def head(self, fence: Fence) -> Fence | None:
+        """The oldest member on ``fence``'s in-order queue; ``None`` out of order."""
+        queue = self._queues.get(fence._queue.key)
+        if queue is None or not queue.in_order:
+            return None
+        return self._oldest(queue)
+
+    def _oldest(self, queue: _Queue) -> Fence | None:
+        heap = queue.heap
+        while heap and heap[0][1] not in self._members:  # drop stale entries
+            self._in_heap.discard(heapq.heappop(heap)[1])
+        return heap[0][1] if heap else None
+
+    def needs_own_signal(self, fence: Fence) -> bool:
+        """Whether nothing but its own signal would tell when ``fence`` completes.
+
+        On an in-order queue only the oldest member does: when it completes, a
+        sweep finds the others behind it. Out of order, every member does.
+        """
+        if fence not in self._members:
+            return False
+        head = self.head(fence)
+        return head is None or head is fence
+
+    def heads(self) -> list[Fence]:
+        """The members that need their own signal (see :meth:`needs_own_signal`)."""
+        found: list[Fence] = []
+        for queue in self._queues.values():
+            if not queue.in_order:
+                found.extend(queue.unordered)
+            elif (oldest := self._oldest(queue)) is not None:
+                found.append(oldest)
+        return found
 
     def sweep(self, settled: Callable[[Fence, Exception | None], None]) -> int:
         """Query what can have completed; remove and report each settled fence.

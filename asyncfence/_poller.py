@@ -35,6 +35,8 @@ __all__ = ["Poller", "PollerStatistics", "Waiter"]
 
 # First sleep once the spin budget is spent; sleeps double up to the cap.
 _FIRST_SLEEP_S = 50e-6
+# Fences parked per tick at most, yielding to the loop between batches.
+_PARK_BATCH = 128
 
 
 class Waiter(Protocol):
@@ -194,11 +196,14 @@ class Poller:
             return None
         if time.perf_counter() < self._spin_until:
             return 0.0
-        # The spin budget is spent: what only "auto" waits want is parked.
-        for fence in self._auto_only:
+        # The spin budget is spent: what only "auto" waits want is parked, a
+        # batch a tick, so that parking thousands never stalls the loop.
+        for _ in range(min(len(self._auto_only), _PARK_BATCH)):
+            fence = self._auto_only.pop()
             self._polled.discard(fence)
             self._park(fence)
-        self._auto_only.clear()
+        if self._auto_only:
+            return 0.0
         if not self._polled:
             return None
         cap = current_config().poll_cap

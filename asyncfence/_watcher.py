@@ -36,7 +36,7 @@ from ._config import current_config
 from ._fenceset import FenceSet
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     from ._fence import Fence
 
@@ -220,6 +220,7 @@ class Watcher:
         self._targets: dict[Fence, tuple[Mailbox, ...]] = {}
         self._saw_closed_mailbox = False
         self._unsignalled: set[Fence] = set()
+        self._armed: set[Fence] = set()
         self._semaphore = _make_semaphore()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -237,6 +238,7 @@ class Watcher:
             if mailbox not in targets:
                 self._targets[fence] = (*targets, mailbox)
             new = self._parked.add(fence)
+            to_arm = self._claim_signals([fence, self._parked.head(fence)]) if new else []
             if self._thread is not None and not self._thread.is_alive():
                 _logger.error("asyncfence watcher thread found dead; restarting it")
                 self._thread = None
@@ -246,19 +248,43 @@ class Watcher:
                     target=self._run, name="asyncfence watcher", daemon=True
                 )
                 self._thread.start()
-        if not new:
-            return
-        notify = functools.partial(self._notify, weakref.ref(fence))
-        if not fence._arm(notify, self._semaphore.native):
-            with self._lock:
-                if fence in self._parked:
-                    self._unsignalled.add(fence)
-            self._semaphore.post()  # re-plan the wait: unsignalled fences are polled
+        self._arm(to_arm)
+
+    def _claim_signals(self, candidates: Iterable[Fence | None]) -> list[Fence]:
+        """Under the lock: which of ``candidates`` need a signal armed now.
+
+        Only the oldest parked fence of an in-order queue gets one; when it
+        completes, the sweep finds what completed behind it and arms the new
+        oldest. So arming costs one signal per queue, not one per fence.
+        """
+        claimed = []
+        for fence in candidates:
+            if (
+                fence is not None
+                and fence not in self._armed
+                and self._parked.needs_own_signal(fence)
+            ):
+                self._armed.add(fence)
+                claimed.append(fence)
+        return claimed
+
+    def _arm(self, fences: list[Fence]) -> None:
+        """Arm each fence's completion signal (never under the lock: it may call back)."""
+        for fence in fences:
+            notify = functools.partial(self._notify, weakref.ref(fence))
+            if not fence._arm(notify, self._semaphore.native):
+                with self._lock:
+                    if fence in self._parked:
+                        self._unsignalled.add(fence)
+                self._semaphore.post()  # re-plan the wait: unsignalled fences are polled
 
     def unpark(self, fence: Fence, mailbox: Mailbox) -> None:
         """Stop watching ``fence`` for ``mailbox``'s loop."""
         with self._lock:
+            head = self._parked.head(fence)
             self._remove_target(fence, lambda target: target is mailbox)
+            to_arm = self._claim_signals([self._parked.head(head)] if head is fence else [])
+        self._arm(to_arm)
 
     def _remove_target(self, fence: Fence, drop: Callable[[Mailbox], bool]) -> None:
         """Under the lock: drop some of a fence's loops, and the fence with the last."""
@@ -269,6 +295,7 @@ class Watcher:
         self._targets.pop(fence, None)
         self._parked.discard(fence)
         self._unsignalled.discard(fence)
+        self._armed.discard(fence)
 
     def _notify(self, fence_ref: weakref.ref[Fence], *_: object) -> None:
         """A completion callback: post the fence to its loops, nothing more.
@@ -281,7 +308,12 @@ class Watcher:
         for mailbox in self._targets.get(fence, ()):
             if not mailbox.post([fence]):
                 self._saw_closed_mailbox = True
-                self._semaphore.post()  # the watcher thread drops it
+                self._semaphore.post()  # the watcher drops mailboxes of closed loops
+        if self._parked.on_queue_of(fence) > 1:
+            # Others are parked behind it: the watcher sweeps them in one go.
+            # (A racy read; were a post missed, the loop's unpark of this fence
+            # arms the next oldest all the same.)
+            self._semaphore.post()
 
     def _drop_closed_mailboxes(self) -> None:
         """Under the lock: forget loops that are gone; other loops are unaffected."""
@@ -316,6 +348,7 @@ class Watcher:
                 if self._saw_closed_mailbox:
                     self._drop_closed_mailboxes()
                 self._parked.sweep(collect)
+                to_arm = self._claim_signals(self._parked.heads())
                 now = time.monotonic()
                 if self._parked:
                     idle_since = None
@@ -328,12 +361,14 @@ class Watcher:
                 self._posts += 1
                 if not mailbox.post(fences):
                     self._saw_closed_mailbox = True
+            self._arm(to_arm)
 
     def _collect(
         self, settled: dict[Mailbox, list[Fence]], fence: Fence, _unexpected: Exception | None
     ) -> None:
         """Sweep callback, under the lock: group a settled fence by loop."""
         self._unsignalled.discard(fence)
+        self._armed.discard(fence)
         for mailbox in self._targets.pop(fence, ()):
             settled.setdefault(mailbox, []).append(fence)
 

@@ -169,13 +169,16 @@ async def test_cuda_signal_is_a_native_v2_host_function(
     with hold(cuda_stream) as gate:
         fences = [asyncfence.record(cuda_stream) for _ in range(20)]
         async with anyio.create_task_group() as tg:
-            for fence in fences:
+            for parked, fence in enumerate(fences, start=1):  # parked in record order
                 tg.start_soon(partial(fence.wait, strategy="park"))
-            await until(lambda: asyncfence.current_statistics().parked == 20)
+                await until(lambda n=parked: asyncfence.current_statistics().parked == n)
             gate.release()
+    assert all(fence.done() for fence in fences)
     v1_after, v2_after = emulator.host_funcs_launched()
     assert v1_after == v1_before  # never the GIL-taking wrapper
-    assert v2_after - v2_before == 20
+    # One signal, for the oldest fence of the stream: the sweep it triggers
+    # finds the other 19, which completed behind it.
+    assert v2_after - v2_before == 1
     await until(lambda: emulator.pending_host_funcs() == 0)
 
 
@@ -199,6 +202,28 @@ async def test_cuda_signal_never_holds_the_users_stream(
     finally:
         driver.cuStreamDestroy(first)
         driver.cuStreamDestroy(second)
+
+
+async def test_when_the_oldest_leaves_the_next_one_is_signalled(stream: Any) -> None:
+    asyncfence.configure(recheck_interval=30)  # only a signal can wake it in time
+    with hold(stream) as gate:
+        oldest, behind = asyncfence.record(stream), asyncfence.record(stream)
+        async with anyio.create_task_group() as tg:
+            oldest_scope = anyio.CancelScope()
+            tg.start_soon(partial(_wait_in, oldest_scope, oldest))
+            tg.start_soon(partial(behind.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 2)
+            oldest_scope.cancel()
+            await until(lambda: asyncfence.watcher_statistics().parked == 1)
+            gate.release()
+            with anyio.fail_after(10):  # the re-check is 30 s away: this is the signal
+                await behind.wait(strategy="park")
+    assert behind.done()
+
+
+async def _wait_in(scope: anyio.CancelScope, fence: asyncfence.Fence) -> None:
+    with scope:
+        await fence.wait(strategy="park")
 
 
 # -- lifecycle ------------------------------------------------------------------------
