@@ -38,6 +38,10 @@ class Device:
         """Create a stream (a command queue on OpenCL) on the device."""
         raise NotImplementedError
 
+    def close_stream(self, stream: Any) -> None:
+        """Wait for the work queued on ``stream``, then release it."""
+        raise NotImplementedError
+
     def launch_chunks(self, stream: Any, chunks: int) -> None:
         """Queue ``chunks`` pieces of 1 MiB of work on ``stream``."""
         raise NotImplementedError
@@ -88,6 +92,10 @@ class OpenCLDevice(Device):
         props = cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE
         return cl.CommandQueue(self.context, properties=props)
 
+    def close_stream(self, stream: cl.CommandQueue) -> None:
+        """Wait for the work queued on ``stream``; pyopencl releases it with the object."""
+        stream.finish()
+
     def launch_chunks(self, stream: cl.CommandQueue, chunks: int) -> None:
         """Queue ``chunks`` copies of 1 MiB."""
         import pyopencl as cl
@@ -135,6 +143,13 @@ class CudaDevice(Device):
         self.make_current()
         flags = self._drv.CUstream_flags.CU_STREAM_NON_BLOCKING
         return check(self._drv.cuStreamCreate(flags), "cuStreamCreate")
+
+    def close_stream(self, stream: Any) -> None:
+        """Wait for the work queued on ``stream``, then destroy it."""
+        from ._cuda import check
+
+        check(self._drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        check(self._drv.cuStreamDestroy(stream), "cuStreamDestroy")
 
     def launch_chunks(self, stream: Any, chunks: int) -> None:
         """Queue ``chunks`` memsets of 1 MiB of device memory."""

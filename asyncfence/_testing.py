@@ -90,9 +90,11 @@ class StreamGate:
     thread; the first call decides.
     """
 
-    __slots__ = ("_fail", "_keep", "_lock", "_open", "_release")
+    __slots__ = ("_fail", "_keep", "_lock", "_open", "_release", "stream")
 
     def __init__(self, stream: object) -> None:
+        #: The stream the gate holds.
+        self.stream = stream
         backend = backend_for(stream)
         make = _opencl_gate if backend.name == "opencl" else _cuda_gate
         self._release, self._fail, self._keep = make(stream)

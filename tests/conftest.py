@@ -183,3 +183,6 @@ def no_asyncfence_errors_logged(caplog: pytest.LogCaptureFixture) -> Iterator[No
         if record.name == "asyncfence.watcher" and record.levelno >= logging.ERROR
     ]
     assert not errors, [record.getMessage() for record in errors]
+
+
+pytest_plugins = ["pytester"]

@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
         ("asyncio_fences.py", "stream 2: done after"),
         ("trio_fences.py", "done once released: True"),
         ("pinned_staging.py", "all verified"),
+        ("anyio_pipeline.py", "20 batches through a budget of 4 buffers"),
+        ("trio_pipeline.py", "20 buffers released, none pending"),
     ],
 )
 def test_example_runs(script: str, expected: str) -> None:

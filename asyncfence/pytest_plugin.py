@@ -1,0 +1,108 @@
+"""asyncfence's pytest plugin: device fixtures and a ``gpu`` marker.
+
+Loaded by pytest wherever asyncfence is installed (the ``pytest11`` entry
+point). It works with pytest-asyncio and with anyio's plugin alike: the
+fixtures are synchronous, and the fences they help make are awaited in the
+tests' own loops.
+
+Fixtures:
+
+* ``fence_device``: the default device, a GPU if present, otherwise PoCL's
+  OpenCL on the CPU. ``--fence-device=cuda|opencl`` (or the ``fence_device``
+  ini option) picks one; a missing device skips the test.
+* ``fence_stream``: a fresh stream (a command queue on OpenCL) on it, waited
+  for and released afterwards.
+* ``held_stream``: an :class:`asyncfence.testing.StreamGate` holding a fresh
+  stream (``held_stream.stream``): work queued on it waits until the test calls
+  ``held_stream.release()``, so "work still running" is deterministic. Released
+  at teardown if the test did not.
+
+The ``gpu`` marker skips a test where no NVIDIA GPU (driver and device) is found.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from ._devices import Device, open_default_device
+from ._exceptions import FenceError
+from ._testing import StreamGate, hold
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ("fence_device", "fence_stream", "held_stream")
+
+_CHOICES = ("auto", "cuda", "opencl")
+_gpu_found: bool | None = None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add ``--fence-device`` and the ``fence_device`` ini option."""
+    group = parser.getgroup("asyncfence")
+    group.addoption(
+        "--fence-device",
+        choices=_CHOICES,
+        default=None,
+        help="device for the fence_device fixture: auto (a GPU if present), cuda or opencl",
+    )
+    parser.addini("fence_device", "device for the fence_device fixture", default="auto")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``gpu`` marker."""
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU; skipped without one")
+
+
+def gpu_present() -> bool:
+    """Whether an NVIDIA driver and at least one CUDA device are usable (cached)."""
+    global _gpu_found
+    if _gpu_found is None:
+        from ._devices import CudaDevice
+
+        try:
+            CudaDevice(0)
+        except (FenceError, RuntimeError, ImportError):
+            _gpu_found = False
+        else:
+            _gpu_found = True
+    return _gpu_found
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip ``gpu``-marked tests where there is no GPU."""
+    if item.get_closest_marker("gpu") is not None and not gpu_present():
+        pytest.skip("needs an NVIDIA GPU")
+
+
+@pytest.fixture(scope="session")
+def fence_device(pytestconfig: pytest.Config) -> Device:
+    """The device to test on: a GPU if present, otherwise PoCL (see the module doc)."""
+    choice = pytestconfig.getoption("fence_device") or pytestconfig.getini("fence_device")
+    if choice not in _CHOICES:
+        raise pytest.UsageError(
+            f"fence_device must be one of {', '.join(_CHOICES)}; got {choice!r}"
+        )
+    try:
+        return open_default_device(None if choice == "auto" else choice)
+    except RuntimeError as missing:
+        pytest.skip(str(missing))
+
+
+@pytest.fixture
+def fence_stream(fence_device: Device) -> Iterator[Any]:
+    """A fresh stream on ``fence_device``, waited for and released afterwards."""
+    stream = fence_device.new_stream()
+    yield stream
+    fence_device.close_stream(stream)
+
+
+@pytest.fixture
+def held_stream(fence_device: Device) -> Iterator[StreamGate]:
+    """A gate holding a fresh stream until the test releases it (see the module doc)."""
+    stream = fence_device.new_stream()
+    with hold(stream) as gate:
+        yield gate
+    fence_device.close_stream(stream)
