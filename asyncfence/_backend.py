@@ -94,10 +94,14 @@ class Backend(Protocol):
         self,
         marker: Marker,
         queue: QueueInfo,
+        order: int,
         notify: Callable[[], None],
         native: NativeSignal | None,
     ) -> bool:
         """Arrange a signal for when the device passes ``marker``. Never blocks.
+
+        ``order`` is the fence's record order: on an in-order queue, a marker
+        of lower order completes first.
 
         A backend whose runtime calls back into Python (OpenCL) calls
         ``notify()`` from its own thread; ``notify`` does next to nothing. A

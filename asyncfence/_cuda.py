@@ -295,6 +295,7 @@ class CudaBackend:
         self,
         marker: Marker,
         queue: QueueInfo,
+        order: int,
         notify: Callable[[], None],
         native: NativeSignal | None,
     ) -> bool:

@@ -121,7 +121,7 @@ class Fence:
             marker = self._marker
             if marker is None:
                 return True
-            return self._backend.arm(marker, self._queue, notify, native)
+            return self._backend.arm(marker, self._queue, self._seq, notify, native)
 
     def _raise_failure(self) -> NoReturn:
         raise self._error()

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import heapq
+import itertools
 import math
 import sys
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any
 
 from ._backend import Marker, QueueInfo
 from ._exceptions import DeviceError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Hashable
 
     import pyopencl as cl
 
@@ -63,7 +65,8 @@ class OpenCLBackend:
         self._graveyard: deque[cl.Event] = deque()
         self._sweep_at = _GRAVEYARD_MIN_SWEEP
         self._sweep_lock = threading.Lock()
-        self._callbacks: _EventCallbacks | Literal[False] | None = None
+        self._waiters: dict[Hashable, _QueueWaiter] = {}
+        self._waiters_lock = threading.Lock()
 
     def claims(self, stream: object) -> bool:
         cl = sys.modules.get("pyopencl")
@@ -135,31 +138,26 @@ class OpenCLBackend:
         self,
         marker: Marker,
         queue: QueueInfo,
+        order: int,
         notify: Callable[[], None],
         native: NativeSignal | None,
     ) -> bool:
-        import pyopencl as cl
+        # OpenCL has no native signal a callback could post, and a Python
+        # callback would run on PoCL's worker thread, stalling the device
+        # while it waits for the GIL. A thread per queue waits natively instead.
+        with self._waiters_lock:
+            waiter = self._waiters.get(queue.key)
+            if waiter is None or not waiter.alive:
+                waiter = self._waiters[queue.key] = _QueueWaiter(self, queue.key)
+        return waiter.watch(marker, order, notify)  # type: ignore[arg-type]
 
-        event: cl.Event = marker  # type: ignore[assignment]
-        callbacks = self._native_callbacks()
-        if callbacks is not None:
-            return callbacks.arm(event.int_ptr, notify)
-        # pyopencl's own set_callback starts a thread per callback: slower.
-        event.set_callback(cl.command_execution_status.COMPLETE, lambda _status: notify())
-        return True
-
-    def _native_callbacks(self) -> _EventCallbacks | None:
-        if self._callbacks is None:
-            try:
-                self._callbacks = _EventCallbacks()
-            except (OSError, AttributeError):
-                self._callbacks = False
-        return self._callbacks or None
+    def _waiter_exited(self, key: Hashable, waiter: _QueueWaiter) -> None:
+        with self._waiters_lock:
+            if self._waiters.get(key) is waiter:
+                del self._waiters[key]
 
     def release(self, marker: Marker) -> None:
-        # Atomic dict and deque operations only: this may run in a finalizer.
-        if self._callbacks:
-            self._callbacks.disarm(marker.int_ptr)  # type: ignore[attr-defined]
+        # Atomic deque operations only: this may run in a finalizer.
         if marker.command_execution_status > 0:  # type: ignore[attr-defined]
             self._graveyard.append(marker)  # type: ignore[arg-type]
 
@@ -180,8 +178,8 @@ class OpenCLBackend:
         return len(self._graveyard)
 
 
-_CL_COMPLETE = 0
-_EVENT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p)
+# A queue's waiter thread exits after this long with nothing to wait for.
+_WAITER_IDLE_S = 2.0
 
 
 def _opencl_library() -> ctypes.CDLL:
@@ -197,49 +195,82 @@ def _opencl_library() -> ctypes.CDLL:
     raise OSError("no OpenCL library found")
 
 
-class _EventCallbacks:
-    """``clSetEventCallback`` with a ctypes callback.
+_wait_for_events: Any = None
 
-    The callback runs on a PoCL thread and takes the GIL (OpenCL offers no
-    native signal); it only hands the fence to its loops. pyopencl's own
-    ``Event.set_callback`` would start a thread per callback.
+
+def _native_wait(marker: cl.Event) -> None:
+    """``clWaitForEvents`` on one event through ctypes: the GIL is released throughout.
+
+    pyopencl's own ``Event.wait`` raises on a failed event; here a failure just
+    returns, and the caller reads the status.
+    """
+    global _wait_for_events
+    if _wait_for_events is None:
+        function = _opencl_library().clWaitForEvents
+        function.restype = ctypes.c_int32
+        function.argtypes = [ctypes.c_uint32, ctypes.POINTER(ctypes.c_void_p)]
+        _wait_for_events = function
+    handle = ctypes.c_void_p(marker.int_ptr)
+    _wait_for_events(1, ctypes.byref(handle))
+
+
+class _QueueWaiter:
+    """One thread per OpenCL queue with parked fences, waiting natively.
+
+    It waits, GIL released, for the oldest marker it was asked to watch; fences
+    on an in-order queue complete in order, so one wait at a time is enough.
+    Then it calls the ``notify`` of every watched marker that has settled
+    (completed or failed) and waits for the next. No Python ever runs on the
+    OpenCL runtime's own threads.
+
+    Thread-safety: :meth:`watch` may be called from any thread.
     """
 
-    def __init__(self) -> None:
-        library = _opencl_library()
-        self._set_callback = library.clSetEventCallback
-        self._set_callback.restype = ctypes.c_int32
-        self._set_callback.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_int32,
-            _EVENT_CALLBACK,
-            ctypes.c_void_p,
-        ]
-        # Keyed by the event's address; an entry lives until the callback
-        # fires or the marker is released (PoCL never calls back on failure).
-        self._pending: dict[int, Callable[[], None]] = {}
-        # Kept for the life of the process: the runtime may call it any time.
-        self._trampoline = _EVENT_CALLBACK(self._fire)
-        self._registered_threads: set[int] = set()
+    def __init__(self, backend: OpenCLBackend, key: Hashable) -> None:
+        self._backend = backend
+        self._key = key
+        self._condition = threading.Condition()
+        # (record order, tie-break, marker, notify), oldest at the top.
+        self._watched: list[tuple[int, int, cl.Event, Callable[[], None]]] = []
+        self._tie_break = itertools.count()
+        self._thread = threading.Thread(
+            target=self._run, name="asyncfence OpenCL waiter", daemon=True
+        )
+        self._exited = False
+        self._thread.start()
 
-    def _fire(self, _event: int, _status: int, key: int | None) -> None:
-        thread = threading.get_ident()
-        if thread not in self._registered_threads:
-            # ctypes creates and destroys a Python thread state around every
-            # callback on a foreign thread, tens of µs each time. One extra
-            # GIL-state reference keeps this runtime thread's state alive.
-            ctypes.pythonapi.PyGILState_Ensure()
-            self._registered_threads.add(thread)
-        notify = self._pending.pop(key or 0, None)
-        if notify is not None:
-            notify()
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still takes work."""
+        with self._condition:
+            return not self._exited and self._thread.is_alive()
 
-    def arm(self, event: int, notify: Callable[[], None]) -> bool:
-        self._pending[event] = notify
-        if self._set_callback(event, _CL_COMPLETE, self._trampoline, event) != 0:
-            self._pending.pop(event, None)
-            return False
+    def watch(self, marker: cl.Event, order: int, notify: Callable[[], None]) -> bool:
+        """Call ``notify()`` once ``marker`` settles; False if this waiter has exited."""
+        with self._condition:
+            if self._exited:
+                return False
+            heapq.heappush(self._watched, (order, next(self._tie_break), marker, notify))
+            self._condition.notify()
         return True
 
-    def disarm(self, event: int) -> None:
-        self._pending.pop(event, None)
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                if not self._watched:
+                    self._condition.wait(_WAITER_IDLE_S)
+                    if not self._watched:
+                        self._exited = True
+                        self._backend._waiter_exited(self._key, self)
+                        return
+                # The oldest completes first on an in-order queue. One armed
+                # later but older waits until this wait returns.
+                oldest = self._watched[0][2]
+            _native_wait(oldest)
+            with self._condition:
+                settled = [e for e in self._watched if e[2].command_execution_status <= 0]
+                if settled:
+                    self._watched = [e for e in self._watched if e[2].command_execution_status > 0]
+                    heapq.heapify(self._watched)
+            for _, _, _, notify in settled:
+                notify()

@@ -350,18 +350,21 @@ class Watcher:
                 self._parked.sweep(collect)
                 to_arm = self._claim_signals(self._parked.heads())
                 now = time.monotonic()
-                if self._parked:
+                if self._parked or settled:
                     idle_since = None
                 elif idle_since is None:
                     idle_since = now
-                elif now - idle_since > IDLE_EXIT_S:
-                    self._thread = None
-                    return
+                exiting = idle_since is not None and now - idle_since > IDLE_EXIT_S
+                if exiting:
+                    self._thread = None  # a park from now on starts a new thread
+            # Whatever this sweep collected is posted before anything else.
             for mailbox, fences in settled.items():
                 self._posts += 1
                 if not mailbox.post(fences):
                     self._saw_closed_mailbox = True
             self._arm(to_arm)
+            if exiting:
+                return
 
     def _collect(
         self, settled: dict[Mailbox, list[Fence]], fence: Fence, _unexpected: Exception | None

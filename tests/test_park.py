@@ -432,3 +432,21 @@ def test_configure_sets_the_default_strategy() -> None:
             asyncfence.configure(recheck_interval=0)
     finally:
         asyncfence.configure(strategy=previous.strategy, recheck_interval=previous.recheck_interval)
+
+
+async def test_the_watcher_never_exits_with_fences_it_collected(
+    queue: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncfence import _watcher
+
+    # Exit as soon as idle, re-check constantly: a sweep that collects the last
+    # parked fences must still post them before the thread goes.
+    monkeypatch.setattr(_watcher, "IDLE_EXIT_S", 0.0)
+    asyncfence.configure(recheck_interval=0.001)
+    for _ in range(100):
+        with hold(queue) as gate, anyio.fail_after(10):  # a lost wake fails here
+            fence = asyncfence.record(queue)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(fence.wait, strategy="park"))
+                await until(lambda: asyncfence.current_statistics().parked == 1)
+                gate.release()
