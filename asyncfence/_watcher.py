@@ -305,14 +305,15 @@ class Watcher:
         fence = fence_ref()
         if fence is None:
             return
+        # Others parked behind it: the watcher sweeps them in one go. (A racy
+        # read; were a post missed, the loop's unpark of this fence arms the
+        # next oldest all the same.)
+        sweep = self._parked.on_queue_of(fence) > 1
         for mailbox in self._targets.get(fence, ()):
             if not mailbox.post([fence]):
-                self._saw_closed_mailbox = True
-                self._semaphore.post()  # the watcher drops mailboxes of closed loops
-        if self._parked.on_queue_of(fence) > 1:
-            # Others are parked behind it: the watcher sweeps them in one go.
-            # (A racy read; were a post missed, the loop's unpark of this fence
-            # arms the next oldest all the same.)
+                self._saw_closed_mailbox = True  # the watcher drops it
+                sweep = True
+        if sweep:
             self._semaphore.post()
 
     def _drop_closed_mailboxes(self) -> None:
