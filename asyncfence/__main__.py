@@ -1,4 +1,4 @@
-"""Command line: ``python -m asyncfence demo`` and ``python -m asyncfence bench``."""
+"""Command line: ``python -m asyncfence demo``, ``bench`` and ``soak``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--spin-budget", type=float, metavar="SECONDS", help="the spin budget to measure with"
     )
+    soak = commands.add_parser("soak", help="a long run that checks memory and loop lag stay flat")
+    soak.add_argument("--minutes", type=float, default=10.0, help="how long (default 10)")
     args = parser.parse_args(argv)
+
+    if args.command == "soak":
+        from ._soak import run_soak
+
+        return run_soak(args.minutes)
 
     if args.command == "bench":
         from ._bench import run_bench

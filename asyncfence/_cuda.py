@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Final
 
-from ._backend import Marker, QueueInfo
+from ._backend import Marker, QueueInfo, sleep_until_settled
 from ._exceptions import DeviceError, DriverNotFoundError
 
 if TYPE_CHECKING:
@@ -32,8 +31,6 @@ PER_THREAD_DEFAULT_STREAM: Final = 2
 
 # Events kept per context beyond those in use; more are destroyed on release.
 _POOL_LIMIT = 4096
-# Blocking waits poll with sleeps that double up to this, staying interruptible.
-_SYNC_SLEEP_CAP_S = 1e-3
 # Side streams kept for completion signals, least recently used dropped first.
 _SIDE_STREAM_LIMIT = 256
 # CU_HOST_TASK_BLOCKING: the driver thread blocks, rather than spins, around it.
@@ -248,20 +245,8 @@ class CudaBackend:
 
     def synchronize(self, marker: Marker, timeout: float) -> bool:
         # cuEventSynchronize would busy-wait (no BLOCKING_SYNC) and cannot be
-        # interrupted or timed out, so poll with growing sleeps instead.
-        deadline = time.monotonic() + timeout
-        sleep = 20e-6
-        while True:
-            try:
-                if self.query(marker):
-                    return True
-            except DeviceError:
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            time.sleep(min(sleep, remaining))
-            sleep = min(sleep * 2, _SYNC_SLEEP_CAP_S)
+        # interrupted or timed out.
+        return sleep_until_settled(lambda: self.query(marker), timeout)
 
     def stream_wait(self, marker: Marker, origin: QueueInfo, stream: object) -> None:
         assert isinstance(marker, _CudaMarker)

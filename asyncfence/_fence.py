@@ -5,13 +5,14 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, NoReturn, final
 
 from ._backend import Backend, Marker, QueueInfo, backend_for
 from ._config import Strategy, check_strategy, check_timeout, current_config
-from ._exceptions import DeviceError
+from ._exceptions import DeviceError, FenceError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
@@ -33,6 +34,27 @@ _settle_lock = threading.Lock()
 # Record order within a queue; a global counter is enough to order each queue.
 _sequence = itertools.count()
 
+# fork(): device runtimes do not survive it (their threads stay behind, their
+# locks may be held), so a child must not touch what the parent used.
+_generation = 0
+_used_backends: set[str] = set()
+_backends_of_parent: frozenset[str] = frozenset()
+
+_FORK_ADVICE = (
+    "device runtimes do not survive fork(); start processes that use the device "
+    "with the 'spawn' or 'forkserver' start method"
+)
+
+
+def _after_fork_in_child() -> None:
+    global _generation, _backends_of_parent
+    _generation += 1
+    _backends_of_parent = frozenset(_used_backends)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 @final
 class Fence:
@@ -50,7 +72,16 @@ class Fence:
     loops may await one fence at once.
     """
 
-    __slots__ = ("__weakref__", "_backend", "_failure", "_marker", "_queue", "_seq", "_state")
+    __slots__ = (
+        "__weakref__",
+        "_backend",
+        "_failure",
+        "_generation",
+        "_marker",
+        "_queue",
+        "_seq",
+        "_state",
+    )
 
     _backend: Backend
     _marker: Marker | None
@@ -58,6 +89,7 @@ class Fence:
     _seq: int
     _state: int
     _failure: DeviceError | None
+    _generation: int
 
     def __new__(cls, *args: object, **kwargs: object) -> Self:
         raise TypeError("fences are made by asyncfence.record(stream)")
@@ -71,6 +103,7 @@ class Fence:
         fence._seq = next(_sequence)
         fence._state = PENDING
         fence._failure = None
+        fence._generation = _generation
         return fence
 
     def __repr__(self) -> str:
@@ -79,15 +112,22 @@ class Fence:
 
     def __del__(self) -> None:
         marker = self._marker
-        if marker is not None:
+        # In a forked child the parent's runtime may hold locks: leave it be.
+        if marker is not None and self._generation == _generation:
             self._backend.release(marker)
 
     # -- state ----------------------------------------------------------------
 
     def _poll(self) -> int:
-        """Query the device unless already settled; returns the state."""
+        """Query the device unless already settled; returns the state.
+
+        Raises:
+            FenceError: The fence was recorded before this process forked.
+        """
         if self._state != PENDING:
             return self._state
+        if self._generation != _generation:
+            raise FenceError(f"{self!r} was recorded before fork(): {_FORK_ADVICE}")
         marker = self._marker
         assert marker is not None
         try:
@@ -189,6 +229,8 @@ class Fence:
                 f"a {self._backend.name} fence can only be waited on by "
                 f"{self._backend.accepts}; got {type(stream).__qualname__} object"
             )
+        if self._state == PENDING and self._generation != _generation:
+            raise FenceError(f"{self!r} was recorded before fork(): {_FORK_ADVICE}")
         with _settle_lock:
             marker = self._marker
             if marker is not None:
@@ -242,10 +284,14 @@ def record(stream: object) -> Fence:
         TypeError: ``stream`` is not a stream any backend accepts; the message
             names the accepted types.
         DeviceError: The backend failed to record.
+        FenceError: This process was forked after the backend was used.
 
     Thread-safety: safe to call from any thread; the fence may be awaited on
     any loop.
     """
     backend = backend_for(stream)
+    if backend.name in _backends_of_parent:
+        raise FenceError(f"{backend.name} was in use before fork(): {_FORK_ADVICE}")
     marker, queue = backend.record(stream)
+    _used_backends.add(backend.name)
     return Fence._new(backend, marker, queue)

@@ -10,15 +10,13 @@ import ctypes
 import ctypes.util
 import heapq
 import itertools
-import math
 import sys
 import threading
-import time
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._backend import Marker, QueueInfo
+from ._backend import Marker, QueueInfo, sleep_until_settled
 from ._exceptions import DeviceError
 
 if TYPE_CHECKING:
@@ -30,9 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OpenCLBackend"]
 
-# The completion callback only signals completion; a failed event never fires
-# it on PoCL 3.0, so a blocking wait also re-checks the status this often.
-_FAILURE_RECHECK_S = 0.01
 # Bound on parked markers between two sweeps; the bound doubles with the
 # survivors, so sweeping stays amortised O(1) per release.
 _GRAVEYARD_MIN_SWEEP = 64
@@ -102,21 +97,8 @@ class OpenCLBackend:
         return status == 0
 
     def synchronize(self, marker: Marker, timeout: float) -> bool:
-        import pyopencl as cl
-
-        event: cl.Event = marker  # type: ignore[assignment]
-        signalled = threading.Event()
-        # Runs on a PoCL thread; it only sets a flag.
-        event.set_callback(cl.command_execution_status.COMPLETE, lambda _status: signalled.set())
-        deadline = math.inf if timeout == math.inf else time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            if signalled.wait(min(remaining, _FAILURE_RECHECK_S)):
-                return True
-            if event.command_execution_status <= 0:
-                return True
+        # clWaitForEvents takes no timeout and cannot be interrupted.
+        return sleep_until_settled(lambda: self.query(marker), timeout)
 
     def stream_wait(self, marker: Marker, origin: QueueInfo, stream: object) -> None:
         import pyopencl as cl

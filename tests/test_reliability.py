@@ -1,0 +1,206 @@
+"""Faults, fork, interrupts, dying streams, several loops: nothing lost, nothing hung."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+
+import asyncfence
+from asyncfence import DropQueue
+from asyncfence.testing import hold
+
+from .conftest import until
+
+if TYPE_CHECKING:
+    import pyopencl as cl
+
+    from asyncfence._devices import CudaDevice
+
+    from .cuda_emulator import Emulator
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(code: str, backend: str, cuda_mode: str) -> subprocess.CompletedProcess[str]:
+    if backend == "cuda" and cuda_mode != "emulated":
+        pytest.skip("runs the subprocess on the emulated driver")
+    env = {**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"}
+    if backend == "cuda":
+        from .cuda_emulator import build
+
+        env["LD_LIBRARY_PATH"] = f"{build().parent}:{env.get('LD_LIBRARY_PATH', '')}"
+    prelude = f"""
+        import asyncio, os, signal, sys, threading, time
+        import asyncfence
+        from asyncfence.testing import StreamGate, open_default_device
+        device = open_default_device({backend!r})
+        stream = device.new_stream()
+    """
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(prelude) + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,  # a hang guard, not a timing assertion
+    )
+
+
+@pytest.mark.parametrize("backend", ["opencl", "cuda"])
+def test_fork_while_the_watcher_runs_gives_the_child_a_clear_error(
+    backend: str, cuda_mode: str
+) -> None:
+    result = run_script(
+        """
+        gate = StreamGate(stream)
+        fence = asyncfence.record(stream)
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=lambda: loop.run_until_complete(fence.wait(strategy="park")),
+                         daemon=True).start()
+        while asyncfence.watcher_statistics().parked < 1:
+            time.sleep(0.001)
+        pid = os.fork()
+        if pid == 0:
+            errors = []
+            for attempt in (fence.done, lambda: fence.wait_sync(timeout=5),
+                            lambda: asyncfence.record(stream)):
+                try:
+                    attempt()
+                except asyncfence.FenceError as error:
+                    errors.append(str(error))
+            ok = len(errors) == 3 and all("fork()" in e for e in errors)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        gate.release()
+        fence.wait_sync(timeout=30)
+        print("child exit status", os.waitstatus_to_exitcode(status))
+        """,
+        backend,
+        cuda_mode,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "child exit status 0" in result.stdout
+
+
+@pytest.mark.parametrize("backend", ["opencl", "cuda"])
+def test_keyboard_interrupt_during_wait_sync(backend: str, cuda_mode: str) -> None:
+    result = run_script(
+        """
+        gate = StreamGate(stream)  # never released: only the interrupt ends the wait
+        fence = asyncfence.record(stream)
+        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            fence.wait_sync()
+        except KeyboardInterrupt:
+            print("interrupted; the fence is still", "done" if fence.done() else "pending")
+        gate.release()
+        fence.wait_sync(timeout=30)
+        """,
+        backend,
+        cuda_mode,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "interrupted; the fence is still pending" in result.stdout
+
+
+async def test_a_queue_dropped_while_its_fences_are_pending(device: Any) -> None:
+    queue = device.new_stream()
+    gate_holder = hold(queue)
+    gate = gate_holder.__enter__()
+    fences = [asyncfence.record(queue) for _ in range(3)]
+    del queue  # the markers keep the queue alive in OpenCL
+    gc.collect()
+    gate.release()
+    with anyio.fail_after(30):
+        for fence in fences:
+            await fence
+    gate_holder.__exit__(None, None, None)
+
+
+async def test_a_cuda_stream_destroyed_while_its_fences_are_pending(
+    cuda_device: CudaDevice,
+) -> None:
+    from cuda.bindings import driver
+
+    stream = cuda_device.new_stream()
+    with hold(stream) as gate:
+        fences = [asyncfence.record(stream) for _ in range(3)]
+        assert driver.cuStreamDestroy(stream)[0] == 0  # returns at once; the work stays queued
+        gate.release()
+        with anyio.fail_after(30):
+            for fence in fences:
+                await fence
+
+
+async def test_one_fence_awaited_on_two_loops_at_once(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        other: dict[str, Any] = {}
+
+        def other_loop() -> None:
+            async def wait() -> None:
+                await fence.wait(strategy="park")
+                other["resumed"] = True
+
+            asyncio.run(wait())
+
+        thread = threading.Thread(target=other_loop)
+        thread.start()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fence.wait)
+            await until(lambda: asyncfence.watcher_statistics().parked >= 1)
+            gate.release()
+        await anyio.to_thread.run_sync(thread.join)
+    assert other == {"resumed": True}
+    assert fence.done()
+
+
+async def test_a_free_that_blocks_delays_but_loses_nothing(queue: cl.CommandQueue) -> None:
+    import time
+
+    freed: list[int] = []
+
+    def slow_free(index: int) -> None:
+        time.sleep(0.005)  # blocks the loop, as documented: frees run on it
+        freed.append(index)
+
+    async with DropQueue() as dq:
+        with hold(queue) as gate:
+            for index in range(10):
+                dq.defer(asyncfence.record(queue), index, free=slow_free)
+            gate.release()
+    assert sorted(freed) == list(range(10))
+
+
+async def test_a_fault_while_the_drop_queue_holds_buffers(
+    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+) -> None:
+    faulted: list[object] = []
+    freed: list[object] = []
+    other = cuda_device.new_stream()
+    try:
+        async with DropQueue(on_fault=lambda obj, error: faulted.append(obj)) as dq:
+            with hold(cuda_stream):
+                held = [object() for _ in range(5)]
+                for obj in held:
+                    dq.defer(asyncfence.record(cuda_stream), obj, free=freed.append)
+                await until(lambda: asyncfence.current_statistics().pending_fences == 5)
+                emulator.launch_fault(int(other), 700)  # the context faults, from elsewhere
+                await dq.drain(timeout=30)
+        assert faulted == held  # never freed as if their work were done
+        assert freed == []
+    finally:
+        emulator.clear_fault(int(cuda_device.context))
+        from cuda.bindings import driver
+
+        driver.cuStreamDestroy(other)
