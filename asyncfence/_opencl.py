@@ -31,6 +31,8 @@ __all__ = ["OpenCLBackend"]
 # Bound on parked markers between two sweeps; the bound doubles with the
 # survivors, so sweeping stays amortised O(1) per release.
 _GRAVEYARD_MIN_SWEEP = 64
+# Failed markers kept alive (see OpenCLBackend.release).
+_FAILED_KEPT = 4096
 
 
 def _status_name(code: int) -> str:
@@ -56,8 +58,10 @@ class OpenCLBackend:
     def __init__(self) -> None:
         # Markers released while still pending. PoCL 3.0 aborts the process if
         # a user event fails after a dependent event was released, so we hold
-        # them until they have completed or failed.
+        # them until they have completed or failed; failed ones, the most
+        # recent few thousand, for good.
         self._graveyard: deque[cl.Event] = deque()
+        self._failed: deque[cl.Event] = deque(maxlen=_FAILED_KEPT)
         self._sweep_at = _GRAVEYARD_MIN_SWEEP
         self._sweep_lock = threading.Lock()
         self._waiters: dict[Hashable, _QueueWaiter] = {}
@@ -140,8 +144,13 @@ class OpenCLBackend:
 
     def release(self, marker: Marker) -> None:
         # Atomic deque operations only: this may run in a finalizer.
-        if marker.command_execution_status > 0:  # type: ignore[attr-defined]
+        status = marker.command_execution_status  # type: ignore[attr-defined]
+        if status > 0:
             self._graveyard.append(marker)  # type: ignore[arg-type]
+        elif status < 0:
+            # PoCL 3.0 may still be propagating the failure through the event
+            # on another thread; releasing it now can crash the process.
+            self._failed.append(marker)  # type: ignore[arg-type]
 
     def _sweep(self) -> None:
         if not self._sweep_lock.acquire(blocking=False):
@@ -149,8 +158,11 @@ class OpenCLBackend:
         try:
             for _ in range(len(self._graveyard)):
                 marker = self._graveyard.popleft()
-                if marker.command_execution_status > 0:
+                status = marker.command_execution_status
+                if status > 0:
                     self._graveyard.append(marker)
+                elif status < 0:
+                    self._failed.append(marker)
             self._sweep_at = max(_GRAVEYARD_MIN_SWEEP, 2 * len(self._graveyard))
         finally:
             self._sweep_lock.release()

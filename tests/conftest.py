@@ -49,6 +49,7 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
 
 @pytest.fixture(scope="session")
 def device() -> OpenCLDevice:
+    pytest.importorskip("pyopencl")
     opened = open_default_device("opencl")
     assert isinstance(opened, OpenCLDevice)
     return opened

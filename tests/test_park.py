@@ -450,3 +450,45 @@ async def test_the_watcher_never_exits_with_fences_it_collected(
                 tg.start_soon(partial(fence.wait, strategy="park"))
                 await until(lambda: asyncfence.current_statistics().parked == 1)
                 gate.release()
+
+
+def test_a_driver_without_host_functions_falls_back_to_polling(cuda_mode: str) -> None:
+    if cuda_mode != "emulated":
+        pytest.skip("pretends to be an older emulated driver")
+    from .cuda_emulator import build
+
+    env = {
+        **os.environ,
+        "ASYNCFENCE_CUDA_DRIVER": "none",
+        "LD_LIBRARY_PATH": f"{build().parent}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+        "ASYNCFENCE_EMULATED_HIDE": "cuLaunchHostFunc",  # a driver without host functions
+    }
+    code = textwrap.dedent(
+        """
+        import asyncio
+        import asyncfence
+        from asyncfence.testing import hold, open_default_device
+
+        device = open_default_device("cuda")
+        stream = device.new_stream()
+
+        async def main():
+            with hold(stream) as gate:
+                fence = asyncfence.record(stream)
+                waiter = asyncio.ensure_future(fence.wait(strategy="park"))
+                while asyncfence.watcher_statistics().parked < 1:
+                    await asyncio.sleep(0.001)
+                print("unsignalled", asyncfence.watcher_statistics().unsignalled)
+                gate.release()
+                await asyncio.wait_for(waiter, 30)
+            print("done", fence.done())
+
+        asyncio.run(main())
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "unsignalled 1" in result.stdout  # no host function: the watcher polls it
+    assert "done True" in result.stdout

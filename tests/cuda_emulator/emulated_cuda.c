@@ -882,6 +882,13 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version,
                              unsigned long long flags, int *status) {
     (void)flags; /* per-thread-default-stream variants resolve to the same functions */
     if (!symbol || !pfn) return INVALID_VALUE;
+    /* ASYNCFENCE_EMULATED_HIDE names one entry point to leave out, as an old driver would. */
+    const char *hidden = getenv("ASYNCFENCE_EMULATED_HIDE");
+    if (hidden && strcmp(hidden, symbol) == 0) {
+        *pfn = NULL;
+        if (status) *status = 1;
+        return NOT_FOUND;
+    }
     void *best = NULL;
     int best_version = -1;
     for (size_t i = 0; i < sizeof entry_points / sizeof *entry_points; i++) {
