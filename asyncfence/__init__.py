@@ -9,8 +9,6 @@ Thread-safety: :func:`record`, :func:`configure`, and a fence's ``done()``,
 happens on an event loop; several loops may await one fence at once.
 """
 
-from __future__ import annotations
-
 from ._backend import register_backend as _register_backend
 from ._buffers import DeviceBuffer as DeviceBuffer
 from ._buffers import PinnedBuffer as PinnedBuffer
