@@ -8,7 +8,8 @@ Scenarios:
 
 * **wake latency**: from the instant the device passes the fence (the host
   releases a gate holding the stream; the timestamp is taken right at the
-  release) to the instant the awaiting coroutine resumes.
+  release) to the instant the awaiting coroutine resumes; the gate released
+  0.5 to 3 ms into the wait, and at once ("short work").
 * **CPU while waiting**: CPU seconds of the process's Python threads per second
   of wall time, while awaiting one long piece of work. The device runtime's own
   threads are left out: on PoCL they *are* the device.
@@ -17,6 +18,11 @@ Scenarios:
 * **scale**: 10, 1,000 and 10,000 pending fences over 64 held streams: the
   event loop's lag (the delay of a ``call_soon`` probe, p99) and, for
   asyncfence, the poller's cost per tick.
+* **drop queue**: the cost of a ``defer``, memory per pending object, release
+  latency after completion, and releases while one of 16 streams is stuck,
+  beside a lazy free-at-next-allocation pool (``_bench_drop``).
+* **signal hold** (CUDA): how long each completion signal holds the stream it
+  runs on, by timing events.
 """
 
 from __future__ import annotations
