@@ -220,16 +220,17 @@ def test_events_are_created_without_timing(cuda_stream: Any, emulator: Emulator)
 # -- enqueue_wait ------------------------------------------------------------------
 
 
-async def test_enqueue_wait_holds_another_stream(cuda_device: CudaDevice) -> None:
+async def assert_second_waits_for_first(first: Any, second: Any) -> None:
+    """A fence on held ``first``, waited for by ``second``: ``second`` is held too."""
     from cuda.bindings import driver
 
-    first, second = cuda_device.new_stream(), cuda_device.new_stream()
     try:
         with hold(first) as gate:
             fence = asyncfence.record(first)
             fence.enqueue_wait(second)
             later = asyncfence.record(second)
-            await await_briefly(later)
+            with anyio.move_on_after(0.02):  # a few poller ticks, or a parked wait
+                await later
             assert not later.done()
             gate.release()
             await later
@@ -239,33 +240,17 @@ async def test_enqueue_wait_holds_another_stream(cuda_device: CudaDevice) -> Non
         driver.cuStreamDestroy(second)
 
 
-async def await_briefly(fence: asyncfence.Fence) -> None:
-    """Await ``fence`` for a few poller ticks; it must still be pending after."""
-    with anyio.move_on_after(0.02):
-        await fence
+async def test_enqueue_wait_holds_another_stream(cuda_device: CudaDevice) -> None:
+    await assert_second_waits_for_first(cuda_device.new_stream(), cuda_device.new_stream())
 
 
 async def test_enqueue_wait_across_devices(cuda_device: CudaDevice, emulator: Emulator) -> None:
-    from cuda.bindings import driver
-
     from asyncfence._devices import CudaDevice
 
-    other = CudaDevice(1)
     first = cuda_device.new_stream()
-    second = other.new_stream()
+    second = CudaDevice(1).new_stream()
     cuda_device.make_current()
-    try:
-        with hold(first) as gate:
-            fence = asyncfence.record(first)
-            fence.enqueue_wait(second)
-            later = asyncfence.record(second)
-            await await_briefly(later)
-            assert not later.done()
-            gate.release()
-            await later
-    finally:
-        driver.cuStreamDestroy(first)
-        driver.cuStreamDestroy(second)
+    await assert_second_waits_for_first(first, second)
 
 
 def test_enqueue_wait_refuses_an_opencl_queue(cuda_stream: Any, queue: Any) -> None:
