@@ -3,11 +3,13 @@
 ``POST /embed`` with ``{"tokens": [3, 14, 15]}`` answers with one embedding row
 per token. Requests are gathered into batches; each batch runs on the device
 (a gather kernel where the OpenCL device can build one, else one device copy
-per row), the handler awaits the batch's fence, and the staging buffers go back
-through the drop queue once the device is done with them. The loop never
-blocks on the device, so it keeps accepting requests meanwhile.
+per row; ``--gather`` chooses), the handler awaits the batch's fence, and the
+staging buffers go back through the drop queue once the device is done with
+them. The loop never blocks on the device, so it keeps accepting requests
+meanwhile.
 
     python examples/inference_server/server.py --port 8000 [--wait to_thread]
+        [--gather auto|kernel|copies]
 
 ``--wait to_thread`` serves the same work but waits the usual way,
 ``await asyncio.to_thread(event.wait)``, for comparison (see ``load.py``).
@@ -69,7 +71,7 @@ class Slot:
 class OpenCLModel:
     """The lookup table on an OpenCL device, and the gather that reads it."""
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, gather: str = "auto") -> None:
         import pyopencl as cl
 
         self.cl = cl
@@ -78,11 +80,16 @@ class OpenCLModel:
         flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
         self.table = cl.Buffer(self.context, flags, hostbuf=table)
         self.streams = [device.new_stream() for _ in range(IN_FLIGHT)]
+        self.kernel: Any = None
+        if gather == "copies":
+            return
         try:
-            self.kernel: Any = cl.Program(self.context, GATHER).build().gather
-        except cl.Error:
+            self.kernel = cl.Program(self.context, GATHER).build().gather
+        except cl.Error as error:
             # PoCL 3.0's LLVM 14 cannot build for CPUs it does not know: copies instead.
-            self.kernel = None
+            if gather == "kernel":
+                message = f"--gather kernel: the device cannot build it: {error}"
+                raise RuntimeError(message) from None
 
     def new_slot(self) -> Slot:
         cl = self.cl
@@ -192,7 +199,7 @@ class Batcher:
             start += len(request.tokens)
 
 
-def make_app(wait: str) -> Starlette:
+def make_app(wait: str, gather: str = "auto") -> Starlette:
     state: dict[str, Any] = {}
 
     async def embed(request: Request) -> JSONResponse:
@@ -224,7 +231,7 @@ def make_app(wait: str) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         device = open_default_device("opencl")
         state["device"] = device
-        state["batcher"] = batcher = Batcher(OpenCLModel(device), wait)
+        state["batcher"] = batcher = Batcher(OpenCLModel(device, gather), wait)
         serving = asyncio.ensure_future(batcher.serve())
         yield
         serving.cancel()
@@ -242,9 +249,17 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--wait", choices=("asyncfence", "to_thread"), default="asyncfence")
     parser.add_argument("--strategy", choices=("auto", "poll", "park"), default="auto")
+    parser.add_argument(
+        "--gather",
+        choices=("auto", "kernel", "copies"),
+        default="auto",
+        help="the batch as one gather kernel, as one device copy per row, or "
+        "a kernel where the device can build one (default)",
+    )
     args = parser.parse_args()
     asyncfence.configure(strategy=args.strategy)
-    uvicorn.run(make_app(args.wait), host=args.host, port=args.port, log_level="warning")
+    app = make_app(args.wait, args.gather)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":
