@@ -8,11 +8,8 @@ devices.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
-
-from ._exceptions import DeviceError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
@@ -25,7 +22,6 @@ __all__ = [
     "QueueInfo",
     "backend_for",
     "register_backend",
-    "sleep_until_settled",
 ]
 
 #: A backend's own completion marker: a ``pyopencl.Event``, a pooled CUDA event.
@@ -76,18 +72,6 @@ class Backend(Protocol):
 
         Raises:
             DeviceError: The work before the marker failed.
-        """
-        ...
-
-    def synchronize(self, marker: Marker, timeout: float) -> bool:
-        """Block the calling thread up to ``timeout`` seconds for ``marker``.
-
-        Returns early, without error, once the marker completed or failed, and
-        may return early spuriously; the caller re-queries. Must stay
-        interruptible by signals, so it never blocks in C for long.
-
-        Returns:
-            False if the timeout expired first.
         """
         ...
 
@@ -160,33 +144,3 @@ def backend_for(stream: object) -> Backend:
             return backend
     accepted = "; or ".join(b.accepts for b in _backends)
     raise TypeError(f"expected a device stream ({accepted}); got {kind.__qualname__} object")
-
-
-# Blocking waits sleep between queries, the sleep doubling up to this.
-_SLEEP_CAP_S = 1e-3
-
-
-def sleep_until_settled(query: Callable[[], bool], timeout: float) -> bool:
-    """Block until ``query()`` is true or raises, sleeping between queries.
-
-    For :meth:`Backend.synchronize` where the runtime's own blocking wait could
-    not be timed out or interrupted (``cuEventSynchronize`` busy-waits, and
-    ``clWaitForEvents`` takes no timeout): sleeps double from 20 µs up to a
-    millisecond, so the wait costs next to no CPU and Ctrl-C gets through.
-
-    Returns:
-        False if ``timeout`` seconds passed first.
-    """
-    deadline = time.monotonic() + timeout
-    sleep = 20e-6
-    while True:
-        try:
-            if query():
-                return True
-        except DeviceError:
-            return True  # settled: failed
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        time.sleep(min(sleep, remaining))
-        sleep = min(sleep * 2, _SLEEP_CAP_S)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 import threading
 from collections import deque
 from typing import TYPE_CHECKING, Generic, TypeVar, final
@@ -18,6 +19,9 @@ if TYPE_CHECKING:
     from ._fence import Fence
 
 __all__ = ["DeviceBuffer", "PinnedBuffer", "StagingPool"]
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import ExceptionGroup
 
 _logger = logging.getLogger("asyncfence.buffers")
 T = TypeVar("T")
@@ -94,8 +98,8 @@ class PinnedBuffer(_CudaAllocation):
     def __init__(self, nbytes: int) -> None:
         from ._cuda import check, driver
 
-        drv = driver()
         size = _check_nbytes(nbytes)
+        drv = driver()
         flags = drv.CU_MEMHOSTALLOC_PORTABLE | drv.CU_MEMHOSTALLOC_DEVICEMAP
         super().__init__(int(check(drv.cuMemHostAlloc(size, flags), "cuMemHostAlloc")), size)
 
@@ -167,14 +171,23 @@ class StagingPool(Generic[T]):
         *,
         dispose: Callable[[T], object] | None = None,
     ) -> None:
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"count must be an int of at least 1, got {count!r}")
-        self._free: deque[T] = deque(make() for _ in range(count))
-        self._count = count
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise TypeError(f"count must be an int, got {type(count).__qualname__}")
+        if count < 1:
+            raise ValueError(f"count must be at least 1, got {count}")
         self._dispose = dispose
+        self._free: deque[T] = deque()
+        try:
+            for _ in range(count):
+                self._free.append(make())
+        except BaseException:
+            self._dispose_all(list(self._free))  # none of them leaks
+            raise
+        self._count = count
         self._returns = DropQueue(on_fault=self._lose)
         self._lost: list[T] = []
         self._changed: anyio.Event | None = None
+        self._closed = False
 
     @classmethod
     def pinned(cls, nbytes: int, count: int) -> StagingPool[PinnedBuffer]:
@@ -190,10 +203,13 @@ class StagingPool(Generic[T]):
         """Take a buffer, waiting until one is reusable. Always a checkpoint.
 
         Raises:
-            RuntimeError: Every buffer was lost to device faults.
+            RuntimeError: The pool is closed, or every buffer was lost to
+                device faults.
         """
         await anyio.lowlevel.checkpoint()
-        while not self._free:
+        while not self._free or self._closed:
+            if self._closed:
+                raise RuntimeError("the StagingPool is closed")
             if len(self._lost) == self._count:
                 raise RuntimeError("every staging buffer was lost to a device fault")
             if self._changed is None:
@@ -204,13 +220,32 @@ class StagingPool(Generic[T]):
     def release_after(self, fence_or_fences: Fence | Iterable[Fence], buffer: T) -> None:
         """Return ``buffer`` to the pool once the fences given have completed.
 
+        After :meth:`aclose`, the buffer is disposed of once they have
+        completed instead, so none taken before the close leaks.
+
         Thread-safety: safe from any thread.
         """
         self._returns.defer(fence_or_fences, buffer, free=self._give_back)
 
     def _give_back(self, buffer: T) -> None:
+        if self._closed:  # came back after the close: nobody will take it
+            self._dispose_all([buffer])
+            return
         self._free.append(buffer)
         self._wake()
+
+    def _dispose_all(self, buffers: list[T]) -> None:
+        """Dispose of every one of ``buffers``, even if some disposals raise."""
+        if self._dispose is None:
+            return
+        errors: list[Exception] = []
+        for buffer in buffers:
+            try:
+                self._dispose(buffer)
+            except Exception as error:  # the rest are still disposed of
+                errors.append(error)
+        if errors:
+            raise ExceptionGroup("dispose raised for some staging buffers", errors)
 
     def _lose(self, buffer: T, error: BaseException) -> None:
         _logger.warning("a staging buffer is retired: the work that read it failed (%s)", error)
@@ -225,11 +260,20 @@ class StagingPool(Generic[T]):
     async def aclose(self) -> None:
         """Wait for every buffer out on the device to come back, then dispose of all.
 
-        Buffers lost to faults are kept, never disposed: the device may still
-        touch them.
+        From the start of the call, :meth:`acquire` raises (waiting ones too).
+        A buffer still held by its taker is disposed of once it is handed to
+        :meth:`release_after` and its fences complete. Buffers lost to faults
+        are kept, never disposed: the device may still touch them.
+
+        Cancellation: the pool stays closed; buffers not yet back are disposed
+        of as they come back.
+
+        Raises:
+            ExceptionGroup: ``dispose`` raised for some buffers; the others
+                were disposed of all the same.
         """
-        await self._returns.aclose()
+        self._closed = True
+        self._wake()
+        await self._returns.drain()
         buffers, self._free = list(self._free), deque()
-        if self._dispose is not None:
-            for buffer in buffers:
-                self._dispose(buffer)
+        self._dispose_all(buffers)

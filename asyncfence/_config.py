@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import threading
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
@@ -54,6 +56,8 @@ class Config:
 
 
 _current = Config()
+# Serialises configure()'s read-modify-write; readers need no lock.
+_configure_lock = threading.Lock()
 
 
 def current_config() -> Config:
@@ -103,14 +107,20 @@ def configure(
         changes["recheck_interval"] = _finite_seconds(
             "recheck_interval", recheck_interval, allow_zero=False
         )
-    _current = replace(_current, **changes)  # type: ignore[arg-type]
-    return _current
+    with _configure_lock:
+        _current = replace(_current, **changes)  # type: ignore[arg-type]
+        return _current
+
+
+def _is_real(value: object) -> bool:
+    """A real number of seconds: int, float, NumPy scalars, Fraction; not bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _finite_seconds(name: str, value: object, *, allow_zero: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _is_real(value):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__qualname__}")
-    seconds = float(value)
+    seconds = float(value)  # type: ignore[arg-type]
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
@@ -129,11 +139,11 @@ def check_timeout(timeout: object) -> float:
     """
     if timeout is None:
         return math.inf
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+    if not _is_real(timeout):
         raise TypeError(
             f"timeout must be None or a number of seconds, got {type(timeout).__qualname__}"
         )
-    seconds = float(timeout)
+    seconds = float(timeout)  # type: ignore[arg-type]
     if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
     return seconds

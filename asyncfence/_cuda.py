@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Final
 
-from ._backend import Marker, QueueInfo, sleep_until_settled
+from ._backend import Marker, QueueInfo
 from ._exceptions import DeviceError, DriverNotFoundError
 
 if TYPE_CHECKING:
@@ -243,11 +243,6 @@ class CudaBackend:
             return False
         raise device_error(drv, err, "the work before the fence failed")
 
-    def synchronize(self, marker: Marker, timeout: float) -> bool:
-        # cuEventSynchronize would busy-wait (no BLOCKING_SYNC) and cannot be
-        # interrupted or timed out.
-        return sleep_until_settled(lambda: self.query(marker), timeout)
-
     def stream_wait(self, marker: Marker, origin: QueueInfo, stream: object) -> None:
         assert isinstance(marker, _CudaMarker)
         handle = cuda_stream_handle(stream)
@@ -258,23 +253,27 @@ class CudaBackend:
             raise device_error(drv, err, "cuStreamWaitEvent failed")
 
     def _side_stream(self, drv: ModuleType, key: Hashable, context: int) -> Any:
-        with self._side_lock:
-            side = self._side_streams.get(key)
-            if side is not None:
-                self._side_streams.move_to_end(key)
-                return side
-            check(drv.cuCtxPushCurrent(drv.CUcontext(context)), "cuCtxPushCurrent")
-            try:
-                flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
-                side = check(drv.cuStreamCreate(flags), "cuStreamCreate")
-            finally:
-                drv.cuCtxPopCurrent()
-            self._side_streams[key] = side
-            if len(self._side_streams) > _SIDE_STREAM_LIMIT:
-                # Destroying a stream with queued work is allowed: the driver
-                # frees it once that work is done.
-                drv.cuStreamDestroy(self._side_streams.popitem(last=False)[1])
+        """The side stream of the stream ``key``; the caller holds ``_side_lock``.
+
+        Held until the caller has queued its work on it, so that no other
+        thread evicts and destroys it in between.
+        """
+        side = self._side_streams.get(key)
+        if side is not None:
+            self._side_streams.move_to_end(key)
             return side
+        check(drv.cuCtxPushCurrent(drv.CUcontext(context)), "cuCtxPushCurrent")
+        try:
+            flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+            side = check(drv.cuStreamCreate(flags), "cuStreamCreate")
+        finally:
+            drv.cuCtxPopCurrent()
+        self._side_streams[key] = side
+        if len(self._side_streams) > _SIDE_STREAM_LIMIT:
+            # Destroying a stream with queued work is allowed: the driver
+            # frees it once that work is done.
+            drv.cuStreamDestroy(self._side_streams.popitem(last=False)[1])
+        return side
 
     def arm(
         self,
@@ -290,22 +289,23 @@ class CudaBackend:
         drv = driver()
         if self._host_fn is None:
             self._host_fn = drv.CUhostFn(native.function)
-        try:
-            side = self._side_stream(drv, queue.key, marker.context)
-        except DeviceError:
-            return False  # a faulted context: the watcher's re-check sees the fault
-        (err,) = drv.cuStreamWaitEvent(side, marker.event, 0)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            return False
-        try:
-            # The raw v2 entry point: the driver calls sem_post itself. The v1
-            # wrapper of cuda.bindings would take the GIL on the driver thread.
-            (err,) = drv.cuLaunchHostFunc_v2(
-                side, self._host_fn, native.argument, _HOST_TASK_BLOCKING
-            )
-        except RuntimeError:  # FunctionNotFoundError: a driver older than v2
-            self._host_func_v2 = False
-            return False
+        with self._side_lock:
+            try:
+                side = self._side_stream(drv, queue.key, marker.context)
+            except DeviceError:
+                return False  # a faulted context: the watcher's re-check sees the fault
+            (err,) = drv.cuStreamWaitEvent(side, marker.event, 0)
+            if err != drv.CUresult.CUDA_SUCCESS:
+                return False
+            try:
+                # The raw v2 entry point: the driver calls sem_post itself. The v1
+                # wrapper of cuda.bindings would take the GIL on the driver thread.
+                (err,) = drv.cuLaunchHostFunc_v2(
+                    side, self._host_fn, native.argument, _HOST_TASK_BLOCKING
+                )
+            except RuntimeError:  # FunctionNotFoundError: a driver older than v2
+                self._host_func_v2 = False
+                return False
         self._host_func_v2 = True
         return bool(err == drv.CUresult.CUDA_SUCCESS)
 

@@ -435,11 +435,15 @@ class DropQueue:
             target = next(self._sequence)  # every earlier object must be done
 
         def done() -> bool:
-            oldest = next(iter(self._unfinished), None)
+            with self._lock:  # defer() may insert from another thread
+                oldest = next(iter(self._unfinished), None)
             return oldest is None or oldest > target
 
-        with anyio.fail_after(None if seconds == float("inf") else seconds):
-            await self._until(done)
+        if done():  # even with timeout=0, as Fence.wait on a done fence
+            await anyio.lowlevel.checkpoint()
+        else:
+            with anyio.fail_after(None if seconds == float("inf") else seconds):
+                await self._until(done)
         self._raise_free_errors()
 
     async def aclose(self, *, cancel_pending: bool = False) -> None:

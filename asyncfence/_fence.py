@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 import os
 import threading
 import time
@@ -32,7 +31,14 @@ FAILED: Final = 2
 # (a pooled CUDA event may be recording other work by then).
 _settle_lock = threading.Lock()
 # Record order within a queue; a global counter is enough to order each queue.
+# Taken with the record, under one lock: two threads recording on one queue
+# must number their fences in the order the queue received them, since waits
+# trust that order (the oldest fence of an in-order queue completes first).
 _sequence = itertools.count()
+_record_lock = threading.Lock()
+
+# wait_sync sleeps between polls, the sleep doubling up to this.
+_BLOCKING_SLEEP_CAP_S = 1e-3
 
 # fork(): device runtimes do not survive it (their threads stay behind, their
 # locks may be held), so a child must not touch what the parent used.
@@ -47,9 +53,12 @@ _FORK_ADVICE = (
 
 
 def _after_fork_in_child() -> None:
-    global _generation, _backends_of_parent
+    global _generation, _backends_of_parent, _settle_lock, _record_lock
     _generation += 1
     _backends_of_parent = frozenset(_used_backends)
+    # Another thread of the parent may have held them at the fork.
+    _settle_lock = threading.Lock()
+    _record_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -95,12 +104,12 @@ class Fence:
         raise TypeError("fences are made by asyncfence.record(stream)")
 
     @classmethod
-    def _new(cls, backend: Backend, marker: Marker, queue: QueueInfo) -> Self:
+    def _new(cls, backend: Backend, marker: Marker, queue: QueueInfo, seq: int) -> Self:
         fence = object.__new__(cls)
         fence._backend = backend
         fence._marker = marker
         fence._queue = queue
-        fence._seq = next(_sequence)
+        fence._seq = seq
         fence._state = PENDING
         fence._failure = None
         fence._generation = _generation
@@ -129,10 +138,13 @@ class Fence:
         if self._generation != _generation:
             raise FenceError(f"{self!r} was recorded before fork(): {_FORK_ADVICE}")
         marker = self._marker
-        assert marker is not None
+        if marker is None:  # settled by another thread since the check above
+            return self._state
         try:
             if not self._backend.query(marker):
-                return PENDING
+                # Re-read: settled meanwhile by another thread, the marker may
+                # since answer for someone else's work.
+                return self._state
         except DeviceError as error:
             self._settle(FAILED, error)
         else:
@@ -156,12 +168,13 @@ class Fence:
         return copy.copy(failure).with_traceback(None)
 
     def _arm(self, notify: Callable[[], None], native: NativeSignal | None) -> bool:
-        """Arm the backend's completion signal, unless already settled."""
+        """Arm the backend's completion signal; if already settled, notify now."""
         with _settle_lock:  # the marker cannot be released and re-recorded meanwhile
             marker = self._marker
-            if marker is None:
-                return True
-            return self._backend.arm(marker, self._queue, self._seq, notify, native)
+            if marker is not None:
+                return self._backend.arm(marker, self._queue, self._seq, notify, native)
+        notify()
+        return True
 
     def _raise_failure(self) -> NoReturn:
         raise self._error()
@@ -193,26 +206,34 @@ class Fence:
             DeviceError: The work before the fence failed.
         """
         limit = check_timeout(timeout)
+        # The runtimes' own blocking waits cannot be timed out or interrupted
+        # (cuEventSynchronize busy-waits; clWaitForEvents takes no timeout), so
+        # this sleeps between polls, doubling from 20 µs up to a millisecond:
+        # next to no CPU, and Ctrl-C gets through. It polls the fence, never
+        # its marker: another thread may settle the fence meanwhile, and a
+        # pooled CUDA event is then recording someone else's work.
         deadline = time.monotonic() + limit
+        sleep = 20e-6
         while True:
             state = self._poll()
             if state == DONE:
                 return
             if state == FAILED:
                 self._raise_failure()
-            marker = self._marker
-            remaining = deadline - time.monotonic() if limit != math.inf else math.inf
-            if marker is None:
-                continue  # settled by another thread meanwhile
-            expired = remaining <= 0 or not self._backend.synchronize(marker, remaining)
-            if expired and self._poll() == PENDING:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise TimeoutError(f"{self!r} did not complete within {timeout} s")
+            time.sleep(min(sleep, remaining))
+            sleep = min(sleep * 2, _BLOCKING_SLEEP_CAP_S)
 
     def enqueue_wait(self, stream: object) -> None:
         """Make ``stream`` wait on the device for this fence. Never blocks the host.
 
         Work queued on ``stream`` after this call starts only once the device
-        has passed the fence. A fence already done adds nothing.
+        has passed the fence. A fence already done adds nothing. Should the
+        work before the fence fail later, the device fails or stops that
+        stream's later work too (OpenCL propagates the failure; CUDA errors
+        are sticky for the whole context).
 
         Args:
             stream: A stream of the same backend as the fence. OpenCL queues
@@ -229,8 +250,10 @@ class Fence:
                 f"a {self._backend.name} fence can only be waited on by "
                 f"{self._backend.accepts}; got {type(stream).__qualname__} object"
             )
-        if self._state == PENDING and self._generation != _generation:
-            raise FenceError(f"{self!r} was recorded before fork(): {_FORK_ADVICE}")
+        # Settled first: a stream told to wait for a fence that already failed
+        # may never run again (OpenCL), so that failure is raised instead.
+        if self._poll() == FAILED:
+            self._raise_failure()
         with _settle_lock:
             marker = self._marker
             if marker is not None:
@@ -292,6 +315,8 @@ def record(stream: object) -> Fence:
     backend = backend_for(stream)
     if backend.name in _backends_of_parent:
         raise FenceError(f"{backend.name} was in use before fork(): {_FORK_ADVICE}")
-    marker, queue = backend.record(stream)
+    with _record_lock:
+        marker, queue = backend.record(stream)
+        seq = next(_sequence)
     _used_backends.add(backend.name)
-    return Fence._new(backend, marker, queue)
+    return Fence._new(backend, marker, queue, seq)

@@ -125,8 +125,11 @@ class _AsyncioPoller(Poller):
 
     def _call_soon(self, callback: Callable[[], None]) -> None:
         loop = self._loop()
-        if loop is not None:
-            loop.call_soon(callback)
+        if loop is None or loop.is_closed():
+            # A task abandoned on a closed loop, being closed: clean up now.
+            callback()
+            return
+        loop.call_soon(callback)
 
     def _ensure_ticking(self) -> None:
         if self._handle is not None and not self._sleeping:
@@ -184,11 +187,13 @@ async def _wait_asyncio(fence: Fence, seconds: float, strategy: Strategy) -> Non
         return
     poller = _asyncio_poller(loop)
     waiter = _FutureWaiter(loop.create_future())
-    poller.add(fence, waiter, strategy)
     timer = None
-    if seconds != math.inf:
-        timer = loop.call_later(seconds, _expire, poller, fence, waiter, seconds)
     try:
+        # Inside: should add() fail halfway (a thread that cannot start, say),
+        # the waiter is not left registered.
+        poller.add(fence, waiter, strategy)
+        if seconds != math.inf:
+            timer = loop.call_later(seconds, _expire, poller, fence, waiter, seconds)
         await waiter.future
     finally:
         if timer is not None:
@@ -232,14 +237,22 @@ class _TrioPoller(Poller):
         return None
 
     def _call_soon(self, callback: Callable[[], None]) -> None:
-        self._call_soon_threadsafe(callback)
+        try:
+            self._call_soon_threadsafe(callback)
+        except RuntimeError:  # RunFinishedError: the run is over
+            callback()
 
     def _ensure_ticking(self) -> None:
         import trio
 
         if not self._running:
+            try:
+                trio.lowlevel.spawn_system_task(self._run, name="asyncfence poller")
+            except RuntimeError:
+                # The run is shutting down (its system nursery is closed): no
+                # task can wait any more, and raising here would crash it.
+                return
             self._running = True
-            trio.lowlevel.spawn_system_task(self._run, name="asyncfence poller")
         elif self._sleep_scope is not None:
             self._sleep_scope.cancel()
 

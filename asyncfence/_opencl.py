@@ -16,7 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._backend import Marker, QueueInfo, sleep_until_settled
+from ._backend import Marker, QueueInfo
 from ._exceptions import DeviceError
 
 if TYPE_CHECKING:
@@ -33,6 +33,17 @@ __all__ = ["OpenCLBackend"]
 _GRAVEYARD_MIN_SWEEP = 64
 # Failed markers kept alive (see OpenCLBackend.release).
 _FAILED_KEPT = 4096
+
+
+# The execution status PoCL gives a command that failed or whose wait list
+# did (its own name for it). CL_DEVICE_NOT_FOUND shares the value, but that is
+# an API error, never the status of a command.
+_CL_FAILED = -1
+
+
+def _execution_status_name(code: int) -> str:
+    """The name of a negative execution status, as the runtime means it."""
+    return "CL_FAILED" if code == _CL_FAILED else _status_name(code)
 
 
 def _status_name(code: int) -> str:
@@ -95,14 +106,10 @@ class OpenCLBackend:
             raise DeviceError(
                 self.name,
                 status,
-                _status_name(status),
+                _execution_status_name(status),
                 "a command before the fence ended with a negative execution status",
             )
         return status == 0
-
-    def synchronize(self, marker: Marker, timeout: float) -> bool:
-        # clWaitForEvents takes no timeout and cannot be interrupted.
-        return sleep_until_settled(lambda: self.query(marker), timeout)
 
     def stream_wait(self, marker: Marker, origin: QueueInfo, stream: object) -> None:
         import pyopencl as cl
@@ -117,8 +124,14 @@ class OpenCLBackend:
                 "an OpenCL queue can only wait for a fence recorded in the same "
                 "context; this queue belongs to another context"
             )
-        cl.enqueue_barrier(stream, wait_for=[marker])  # type: ignore[list-item]
+        barrier = cl.enqueue_barrier(stream, wait_for=[marker])  # type: ignore[list-item]
         stream.flush()
+        # Held until it settles, as markers are (PoCL 3.0 aborts the process
+        # if the marker fails once the barrier is released).
+        self.release(barrier)
+        # Failed meanwhile: PoCL does not fail a barrier enqueued behind an
+        # event that had already failed; it would stay queued for good.
+        self.query(marker)
 
     def arm(
         self,
@@ -174,6 +187,8 @@ class OpenCLBackend:
 
 # A queue's waiter thread exits after this long with nothing to wait for.
 _WAITER_IDLE_S = 2.0
+# How long a waiter pauses when the runtime refuses to wait on a pending event.
+_REFUSED_WAIT_BACKOFF_S = 1e-3
 
 
 def _opencl_library() -> ctypes.CDLL:
@@ -192,11 +207,15 @@ def _opencl_library() -> ctypes.CDLL:
 _wait_for_events: Any = None
 
 
-def _native_wait(marker: cl.Event) -> None:
+def _native_wait(marker: cl.Event) -> bool:
     """``clWaitForEvents`` on one event through ctypes: the GIL is released throughout.
 
     pyopencl's own ``Event.wait`` raises on a failed event; here a failure just
     returns, and the caller reads the status.
+
+    Returns:
+        False if the runtime returned at once without waiting, the event
+        still pending.
     """
     global _wait_for_events
     if _wait_for_events is None:
@@ -205,7 +224,9 @@ def _native_wait(marker: cl.Event) -> None:
         function.argtypes = [ctypes.c_uint32, ctypes.POINTER(ctypes.c_void_p)]
         _wait_for_events = function
     handle = ctypes.c_void_p(marker.int_ptr)
-    _wait_for_events(1, ctypes.byref(handle))
+    if _wait_for_events(1, ctypes.byref(handle)) == 0:
+        return True
+    return bool(marker.command_execution_status <= 0)
 
 
 class _QueueWaiter:
@@ -255,12 +276,15 @@ class _QueueWaiter:
                     self._condition.wait(_WAITER_IDLE_S)
                     if not self._watched:
                         self._exited = True
-                        self._backend._waiter_exited(self._key, self)
-                        return
+                        break
                 # The oldest completes first on an in-order queue. One armed
                 # later but older waits until this wait returns.
                 oldest = self._watched[0][2]
-            _native_wait(oldest)
+            if not _native_wait(oldest):
+                # The runtime refused to wait on a pending event: back off
+                # rather than spin; the watcher's re-check still sees it settle.
+                with self._condition:
+                    self._condition.wait(_REFUSED_WAIT_BACKOFF_S)
             with self._condition:
                 settled = [e for e in self._watched if e[2].command_execution_status <= 0]
                 if settled:
@@ -268,3 +292,6 @@ class _QueueWaiter:
                     heapq.heapify(self._watched)
             for _, _, _, notify in settled:
                 notify()
+        # Outside the condition: OpenCLBackend.arm takes the backend's lock,
+        # then ours (through ``alive``).
+        self._backend._waiter_exited(self._key, self)

@@ -103,7 +103,10 @@ class Poller:
         raise NotImplementedError
 
     def _call_soon(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` on the loop soon, after what is already scheduled (loop thread)."""
+        """Run ``callback`` on the loop soon, after what is already scheduled (loop thread).
+
+        On a loop that is gone, run it now instead: never raise, never drop it.
+        """
         raise NotImplementedError
 
     # -- waits -------------------------------------------------------------------
@@ -155,9 +158,10 @@ class Poller:
         if fence in self._parked:
             self._parked.discard(fence)
             # Batched, and after the woken tasks have run: off the wake path.
-            if not self._unpark_soon:
-                self._call_soon(self._flush_unparks)
+            first = not self._unpark_soon
             self._unpark_soon.add(fence)
+            if first:
+                self._call_soon(self._flush_unparks)
 
     def _flush_unparks(self) -> None:
         watcher = current_watcher()

@@ -44,6 +44,8 @@ __all__ = ["Mailbox", "NativeSignal", "WatcherStatistics", "current_watcher"]
 
 # The watcher thread exits after this long with nothing parked.
 IDLE_EXIT_S = 2.0
+# The longest the watcher sleeps at once, whatever the configured intervals.
+_LONGEST_SLEEP_S = 3600.0
 
 _logger = logging.getLogger("asyncfence.watcher")
 
@@ -337,7 +339,8 @@ class Watcher:
         while True:
             config = current_config()
             timeout = config.poll_cap if self._unsignalled else config.recheck_interval
-            self._semaphore.wait(timeout)
+            # Bounded: a sleep past what the OS timers can represent returns at once.
+            self._semaphore.wait(min(timeout, _LONGEST_SLEEP_S))
             self._semaphore.drain()
             settled: dict[Mailbox, list[Fence]] = {}
             collect = functools.partial(self._collect, settled)
