@@ -181,7 +181,9 @@ class StagingPool(Generic[T]):
             for _ in range(count):
                 self._free.append(make())
         except BaseException:
-            self._dispose_all(list(self._free))  # none of them leaks
+            # None of them leaks; make()'s error is the one the caller sees.
+            for error in self._dispose_each(list(self._free)):
+                _logger.error("dispose raised for a staging buffer", exc_info=error)
             raise
         self._count = count
         self._returns = DropQueue(on_fault=self._lose)
@@ -235,17 +237,29 @@ class StagingPool(Generic[T]):
         self._wake()
 
     def _dispose_all(self, buffers: list[T]) -> None:
-        """Dispose of every one of ``buffers``, even if some disposals raise."""
-        if self._dispose is None:
-            return
-        errors: list[Exception] = []
-        for buffer in buffers:
-            try:
-                self._dispose(buffer)
-            except Exception as error:  # the rest are still disposed of
-                errors.append(error)
+        """Dispose of every one of ``buffers``, even if some disposals raise.
+
+        Raises:
+            ExceptionGroup: What ``dispose`` raised.
+        """
+        errors = self._dispose_each(buffers)
         if errors:
             raise ExceptionGroup("dispose raised for some staging buffers", errors)
+
+    def _dispose_each(self, buffers: list[T]) -> list[Exception]:
+        """Dispose of every one of ``buffers``; return what ``dispose`` raised."""
+        errors: list[Exception] = []
+        if self._dispose is not None:
+            for buffer in buffers:
+                try:
+                    self._dispose(buffer)
+                except Exception as error:  # the rest are still disposed of
+                    errors.append(error)
+        return errors
+
+    def _dispose_free(self) -> list[Exception]:
+        buffers, self._free = list(self._free), deque()
+        return self._dispose_each(buffers)
 
     def _lose(self, buffer: T, error: BaseException) -> None:
         _logger.warning("a staging buffer is retired: the work that read it failed (%s)", error)
@@ -265,8 +279,9 @@ class StagingPool(Generic[T]):
         :meth:`release_after` and its fences complete. Buffers lost to faults
         are kept, never disposed: the device may still touch them.
 
-        Cancellation: the pool stays closed; buffers not yet back are disposed
-        of as they come back.
+        Cancellation: the pool stays closed, the buffers in it are disposed of
+        all the same (what ``dispose`` raises then is logged), and those not
+        yet back are disposed of as they come back.
 
         Raises:
             ExceptionGroup: ``dispose`` raised for some buffers; the others
@@ -274,6 +289,15 @@ class StagingPool(Generic[T]):
         """
         self._closed = True
         self._wake()
-        await self._returns.drain()
-        buffers, self._free = list(self._free), deque()
-        self._dispose_all(buffers)
+        errors: list[Exception] = []
+        try:
+            await self._returns.drain()
+        except ExceptionGroup as group:  # disposing of buffers that came back meanwhile
+            errors.extend(group.exceptions)
+        except BaseException:
+            for error in self._dispose_free():
+                _logger.error("dispose raised for a staging buffer", exc_info=error)
+            raise
+        errors.extend(self._dispose_free())
+        if errors:
+            raise ExceptionGroup("dispose raised for some staging buffers", errors)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import threading
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
@@ -58,6 +59,15 @@ class Config:
 _current = Config()
 # Serialises configure()'s read-modify-write; readers need no lock.
 _configure_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _configure_lock
+    _configure_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def current_config() -> Config:

@@ -155,9 +155,11 @@ class Fence:
         with _settle_lock:
             if self._state != PENDING:
                 return
-            marker, self._marker = self._marker, None
+            # State first, marker last: a thread reading without the lock that
+            # finds no marker then always finds the fence settled.
             self._failure = failure
             self._state = state
+            marker, self._marker = self._marker, None
         assert marker is not None
         self._backend.release(marker)
 
@@ -243,7 +245,10 @@ class Fence:
         Raises:
             TypeError: ``stream`` is not a stream of the fence's backend.
             ValueError: ``stream`` cannot wait for this fence (other context).
-            DeviceError: The work before the fence failed.
+            DeviceError: The work before the fence failed. On OpenCL, if it
+                failed while this call ran, the waiting queue may never run
+                its later work: PoCL never fails a command queued behind an
+                event that had already failed.
         """
         if not self._backend.claims(stream):
             raise TypeError(

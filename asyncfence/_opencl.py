@@ -129,9 +129,18 @@ class OpenCLBackend:
         # Held until it settles, as markers are (PoCL 3.0 aborts the process
         # if the marker fails once the barrier is released).
         self.release(barrier)
-        # Failed meanwhile: PoCL does not fail a barrier enqueued behind an
-        # event that had already failed; it would stay queued for good.
-        self.query(marker)
+        # The caller found the fence not failed just before. Failed since: the
+        # barrier may have been enqueued behind an event that had already
+        # failed, and PoCL never fails (nor runs) such a command.
+        status = marker.command_execution_status  # type: ignore[attr-defined]
+        if status < 0:
+            raise DeviceError(
+                self.name,
+                status,
+                _execution_status_name(status),
+                "the work before the fence failed while enqueue_wait ran; the "
+                "waiting queue may never run its later work",
+            )
 
     def arm(
         self,

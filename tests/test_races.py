@@ -182,11 +182,13 @@ def test_a_child_forked_while_a_lock_is_held_gets_fresh_locks() -> None:
     # In a fresh process: forking this multi-threaded one is what the test is not about.
     code = """
 import os
-from asyncfence import _fence
-with _fence._settle_lock, _fence._record_lock:  # as another thread might at the fork
+from asyncfence import _config, _fence
+locks = lambda: (_fence._settle_lock, _fence._record_lock, _config._configure_lock)
+a, b, c = locks()
+with a, b, c:  # as other threads might hold them at the fork
     pid = os.fork()
     if pid == 0:
-        fresh = not _fence._settle_lock.locked() and not _fence._record_lock.locked()
+        fresh = not any(lock.locked() for lock in locks())
         os._exit(0 if fresh else 1)
 _, status = os.waitpid(pid, 0)
 raise SystemExit(os.waitstatus_to_exitcode(status))
@@ -234,6 +236,60 @@ def test_a_fence_that_fails_after_enqueue_wait_fails_the_waiting_stream(
         device.close_stream(other)
 
 
+def test_a_fence_failing_while_enqueue_wait_runs_raises_saying_so() -> None:
+    # In a fresh process, left with os._exit: the waiting queue may be wedged
+    # for good, and releasing a wedged PoCL queue waits for it.
+    code = """
+import inspect, os, sys, threading
+import asyncfence
+from asyncfence import _fence
+from asyncfence.testing import StreamGate, open_default_device
+device = open_default_device("opencl")
+queue, other = device.new_stream(), device.new_stream()
+gate = StreamGate(queue)
+fence = asyncfence.record(queue)
+lines, first = inspect.getsourcelines(_fence.Fence.enqueue_wait)
+target = first + next(i for i, line in enumerate(lines) if "with _settle_lock:" in line)
+paused, go, result = threading.Event(), threading.Event(), []
+def local(frame, event, arg):
+    if event == "line" and frame.f_lineno == target:
+        paused.set(); go.wait(30)
+    return local
+def calls(frame, event, arg):
+    return local if frame.f_code is _fence.Fence.enqueue_wait.__code__ else None
+def enqueue_wait():
+    sys.settrace(calls)
+    try:
+        fence.enqueue_wait(other)
+        result.append("returned")
+    except asyncfence.DeviceError as error:
+        result.append(error.detail)
+    finally:
+        sys.settrace(None)
+thread = threading.Thread(target=enqueue_wait)
+thread.start()
+assert paused.wait(30)  # past its own check: the fence was still pending
+gate.fail(-5)
+queue.finish()  # the fence has failed now
+go.set()
+thread.join(30)
+print(result)
+sys.stdout.flush()
+os._exit(0)
+"""
+    env = {**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=HANG_GUARD_S,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "failed while enqueue_wait ran" in result.stdout
+
+
 # -- the OpenCL waiter threads and the watcher ----------------------------------
 
 
@@ -249,9 +305,9 @@ async def test_a_waiter_thread_exiting_idle_never_deadlocks_a_new_park(
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(functools.partial(fence.wait, strategy="park"))
             await until(lambda: queue.int_ptr in backend._waiters)  # its thread started
+            # Taken while it has work: it cannot exit idle before this.
+            waiter = backend._waiters[queue.int_ptr]
             held.release()
-    waiter = backend._waiters.get(queue.int_ptr)
-    assert waiter is not None
     # Hold the backend's lock, as arming does, while the waiter exits idle.
     with backend._waiters_lock:
         await anyio.to_thread.run_sync(_wait_until_exited, waiter)
@@ -446,6 +502,48 @@ async def test_staging_pool_disposes_every_buffer_even_when_some_dispose_raises(
         await pool.aclose()
     assert len(disposed) == 3
     assert [type(e) for e in failures.value.exceptions] == [OSError]
+
+
+@pytest.mark.anyio
+async def test_staging_pool_close_disposes_the_pool_even_when_a_late_return_fails() -> None:
+    made: list[bytearray] = []
+    disposed: list[bytearray] = []
+
+    def make() -> bytearray:
+        made.append(bytearray(8))
+        return made[-1]
+
+    def dispose(buffer: bytearray) -> None:
+        disposed.append(buffer)
+        if buffer is made[0]:
+            raise OSError("freeing the buffer that came back fails")
+
+    pool = asyncfence.StagingPool(make, 3, dispose=dispose)
+    out = await pool.acquire()
+    pool.release_after([], out)  # comes back while the pool closes
+    with pytest.raises(ExceptionGroup):
+        await pool.aclose()
+    assert sorted(map(id, disposed)) == sorted(map(id, made))
+    assert pool.available == 0
+
+
+def test_a_staging_pool_that_fails_to_fill_and_to_dispose_keeps_the_make_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    made: list[bytearray] = []
+
+    def make() -> bytearray:
+        if made:
+            raise MemoryError("the second allocation fails")
+        made.append(bytearray(8))
+        return made[-1]
+
+    def dispose(buffer: bytearray) -> None:
+        raise OSError("and freeing the first fails too")
+
+    with pytest.raises(MemoryError):
+        asyncfence.StagingPool(make, 2, dispose=dispose)
+    assert "dispose raised" in caplog.text
 
 
 def test_staging_pool_count_must_be_a_positive_int() -> None:
