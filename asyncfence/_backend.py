@@ -63,6 +63,18 @@ class Backend(Protocol):
         """Whether ``stream`` is one of this backend's stream objects."""
         ...
 
+    def stream_key(self, stream: object) -> Hashable:
+        """A cheap key for the queue behind ``stream``, taken before recording.
+
+        Records on one queue are serialised by it, so that fences are numbered
+        in the order the queue receives them. Wrappers of one queue must get
+        equal keys; different queues may share one (that only serialises more).
+
+        Raises:
+            TypeError: ``stream`` is not one of this backend's streams.
+        """
+        ...
+
     def record(self, stream: object) -> tuple[Marker, QueueInfo]:
         """Mark the current end of the work queued on ``stream``."""
         ...

@@ -216,6 +216,11 @@ class CudaBackend:
             raise device_error(drv, err, "cuEventCreate failed")
         return event
 
+    def stream_key(self, stream: object) -> Hashable:
+        # The handle alone: the default streams (0, 1, 2) of every context and
+        # thread share a key, which only serialises their records more.
+        return cuda_stream_handle(stream)
+
     def record(self, stream: object) -> tuple[Marker, QueueInfo]:
         drv, cu_stream, handle, context = self._stream(stream)
         pool = self._pool(context)

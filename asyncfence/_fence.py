@@ -31,11 +31,14 @@ FAILED: Final = 2
 # (a pooled CUDA event may be recording other work by then).
 _settle_lock = threading.Lock()
 # Record order within a queue; a global counter is enough to order each queue.
-# Taken with the record, under one lock: two threads recording on one queue
-# must number their fences in the order the queue received them, since waits
-# trust that order (the oldest fence of an in-order queue completes first).
+# Taken with the record, under the queue's lock: two threads recording on one
+# queue must number their fences in the order the queue received them, since
+# waits trust that order (the oldest fence of an in-order queue completes
+# first). Striped, so that records on different queues rarely wait for each
+# other (a record may block in the driver while its stream's queue is full).
 _sequence = itertools.count()
-_record_lock = threading.Lock()
+_RECORD_STRIPES = 64
+_record_locks = tuple(threading.Lock() for _ in range(_RECORD_STRIPES))
 
 # wait_sync sleeps between polls, the sleep doubling up to this.
 _BLOCKING_SLEEP_CAP_S = 1e-3
@@ -53,12 +56,12 @@ _FORK_ADVICE = (
 
 
 def _after_fork_in_child() -> None:
-    global _generation, _backends_of_parent, _settle_lock, _record_lock
+    global _generation, _backends_of_parent, _settle_lock, _record_locks
     _generation += 1
     _backends_of_parent = frozenset(_used_backends)
     # Another thread of the parent may have held them at the fork.
     _settle_lock = threading.Lock()
-    _record_lock = threading.Lock()
+    _record_locks = tuple(threading.Lock() for _ in range(_RECORD_STRIPES))
 
 
 if hasattr(os, "register_at_fork"):
@@ -320,7 +323,7 @@ def record(stream: object) -> Fence:
     backend = backend_for(stream)
     if backend.name in _backends_of_parent:
         raise FenceError(f"{backend.name} was in use before fork(): {_FORK_ADVICE}")
-    with _record_lock:
+    with _record_locks[hash(backend.stream_key(stream)) % _RECORD_STRIPES]:
         marker, queue = backend.record(stream)
         seq = next(_sequence)
     _used_backends.add(backend.name)

@@ -82,6 +82,9 @@ class OpenCLBackend:
         cl = sys.modules.get("pyopencl")
         return cl is not None and isinstance(stream, cl.CommandQueue)
 
+    def stream_key(self, stream: object) -> Hashable:
+        return stream.int_ptr  # type: ignore[attr-defined,no-any-return]
+
     def _queue_info(self, queue: cl.CommandQueue) -> QueueInfo:
         import pyopencl as cl
 

@@ -183,7 +183,7 @@ def test_a_child_forked_while_a_lock_is_held_gets_fresh_locks() -> None:
     code = """
 import os
 from asyncfence import _config, _fence
-locks = lambda: (_fence._settle_lock, _fence._record_lock, _config._configure_lock)
+locks = lambda: (_fence._settle_lock, _fence._record_locks[0], _config._configure_lock)
 a, b, c = locks()
 with a, b, c:  # as other threads might hold them at the fork
     pid = os.fork()
