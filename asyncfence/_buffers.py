@@ -231,20 +231,11 @@ class StagingPool(Generic[T]):
 
     def _give_back(self, buffer: T) -> None:
         if self._closed:  # came back after the close: nobody will take it
-            self._dispose_all([buffer])
+            if self._dispose is not None:
+                self._dispose(buffer)  # what it raises, the DropQueue reports
             return
         self._free.append(buffer)
         self._wake()
-
-    def _dispose_all(self, buffers: list[T]) -> None:
-        """Dispose of every one of ``buffers``, even if some disposals raise.
-
-        Raises:
-            ExceptionGroup: What ``dispose`` raised.
-        """
-        errors = self._dispose_each(buffers)
-        if errors:
-            raise ExceptionGroup("dispose raised for some staging buffers", errors)
 
     def _dispose_each(self, buffers: list[T]) -> list[Exception]:
         """Dispose of every one of ``buffers``; return what ``dispose`` raised."""
