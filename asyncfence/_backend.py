@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Hashable
-
-    from ._watcher import NativeSignal
+    from collections.abc import Hashable
 
 __all__ = [
     "Backend",
     "Marker",
+    "NativeSignal",
     "QueueInfo",
     "backend_for",
     "register_backend",
@@ -46,6 +45,29 @@ class QueueInfo:
     domain: Hashable | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class NativeSignal:
+    """A native function for the device runtime to call once a marker completes.
+
+    It runs no Python: the runtime calls it on its own thread (a CUDA host
+    function, an OpenCL event callback), and it only tells the waiting side
+    that something completed. It may be called early or twice; the waiting
+    side always queries the marker.
+
+    Attributes:
+        host_function: Address of a ``void f(void *argument)``: what CUDA
+            calls as a host function.
+        event_callback: Address of a ``void f(void *event, int32_t status,
+            void *argument)``: what OpenCL calls as an event callback; 0
+            where there is none.
+        argument: The pointer passed to either.
+    """
+
+    host_function: int
+    event_callback: int
+    argument: int
+
+
 class Backend(Protocol):
     """A device runtime, as the fence logic sees it.
 
@@ -56,6 +78,8 @@ class Backend(Protocol):
 
     #: Short lowercase name: ``"opencl"``, ``"cuda"``.
     name: str
+    #: The runtime's own name, for messages: ``"OpenCL"``, ``"CUDA"``.
+    title: str
     #: Describes the stream objects the backend accepts, for error messages.
     accepts: str
 
@@ -87,36 +111,40 @@ class Backend(Protocol):
         """
         ...
 
-    def stream_wait(self, marker: Marker, origin: QueueInfo, stream: object) -> None:
-        """Make ``stream`` wait on the device for ``marker``; never blocks the host.
+    def check_stream(self, origin: QueueInfo, stream: object) -> None:
+        """Check that ``stream`` could wait for a marker recorded on ``origin``.
+
+        Called before every :meth:`stream_wait`, and also where the marker has
+        completed already, so that bad input is refused whatever the timing.
 
         Raises:
             TypeError: ``stream`` is not one of this backend's streams.
             ValueError: ``stream`` cannot wait for a marker from ``origin``.
+            DeviceError: The runtime refuses the stream.
         """
         ...
 
-    def arm(
-        self,
-        marker: Marker,
-        queue: QueueInfo,
-        order: int,
-        notify: Callable[[], None],
-        native: NativeSignal | None,
-    ) -> bool:
-        """Arrange a signal for when the device passes ``marker``. Never blocks.
+    def stream_wait(self, marker: Marker, origin: QueueInfo, stream: object) -> None:
+        """Make ``stream`` wait on the device for ``marker``; never blocks the host.
 
-        ``order`` is the fence's record order: on an in-order queue, a marker
-        of lower order completes first.
+        ``stream`` has passed :meth:`check_stream`.
+        """
+        ...
 
-        A backend whose runtime calls back into Python (OpenCL) calls
-        ``notify()`` from its own thread; ``notify`` does next to nothing. A
-        backend that can signal natively (CUDA) makes the device call
-        ``native`` instead, so no Python runs on the driver's thread. The
-        signal may come early or twice; the watcher re-queries.
+    def arm(self, marker: Marker, queue: QueueInfo, signal: NativeSignal) -> bool:
+        """Have the runtime call ``signal`` once the device passes ``marker``.
+
+        Never blocks and never calls back into Python. If the marker has
+        already completed, the runtime may call the signal at once, on the
+        calling thread. A runtime may never call it for work that failed: the
+        waiting side re-checks periodically.
 
         Returns:
-            False if no signal could be armed; the watcher then polls.
+            False if the runtime offers no way to call ``signal`` (the caller
+            then polls the marker).
+
+        Raises:
+            DeviceError: The runtime refused the request.
         """
         ...
 

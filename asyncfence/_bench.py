@@ -48,7 +48,7 @@ from ._bench_drop import drop_queue_scenarios
 from ._config import STRATEGIES, Strategy, current_config
 from ._devices import CudaDevice, Device, OpenCLDevice, open_default_device
 from ._fence import record
-from ._loops import _asyncio_poller
+from ._loops import current_statistics
 from ._testing import StreamGate, hold
 
 if TYPE_CHECKING:
@@ -425,68 +425,78 @@ def _hold_gil(seconds: float) -> None:
 def signal_hold(target: CudaTarget, config: BenchConfig, results: Results) -> None:
     """How long each completion signal holds the stream it runs on, by timing events.
 
-    asyncfence's signal is a ``cuLaunchHostFunc_v2`` of libc's ``sem_post``: no
-    Python. The comparison is a Python callback through cuda.bindings'
+    asyncfence's signal is the native shim's host function (or, without the
+    shim, libc's ``sem_post``), launched through the driver's raw entry point:
+    no Python. The comparison is a Python callback through cuda.bindings'
     ``cuLaunchHostFunc`` (what numba's ``async_done`` and CuPy's callbacks do),
     while the main thread runs Python, as a busy event loop would.
     """
-    from ._cuda import check
-    from ._watcher import _Semaphore
+    from ._backend import backend_for
+    from ._cuda import CudaBackend, check
+    from ._native import shim
+    from ._poller import NativeMailbox
 
     drv = target._drv
+    backend = backend_for(0)
+    assert isinstance(backend, CudaBackend)
+    launcher = backend.host_functions()
+    if launcher.path == "none":
+        return
+    native = shim()
+    mailbox = NativeMailbox(native) if native is not None else None
     stream = target.new_stream()
-    semaphore = _Semaphore()  # a private one: the watcher is not disturbed
-    native = drv.CUhostFn(semaphore.native.function)
     timing = drv.CUevent_flags.CU_EVENT_DEFAULT
     start = check(drv.cuEventCreate(timing), "cuEventCreate")
     end = check(drv.cuEventCreate(timing), "cuEventCreate")
+
+    def native_signal() -> int:
+        if mailbox is not None:
+            signal, _slot = mailbox.signal(0)
+            return launcher.launch(int(stream), signal.host_function, signal.argument)
+        from ._watcher import _Semaphore
+
+        semaphore = _Semaphore()
+        assert semaphore.signal is not None
+        return launcher.launch(int(stream), semaphore.signal.host_function, semaphore.address)
 
     # A callback that runs Python, as numba's and CuPy's do (a ctypes thunk,
     # which takes the GIL; the v1 wrapper of cuda.bindings takes it as well).
     python_callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _data: None)
     python_fn = drv.CUhostFn(ctypes.cast(python_callback, ctypes.c_void_p).value)
+    name = "asyncfence: native host function" + (" (shim)" if mailbox else " (sem_post)")
     signals: dict[str, Callable[[], Any]] = {
-        "asyncfence: cuLaunchHostFunc_v2(sem_post)": lambda: drv.cuLaunchHostFunc_v2(
-            stream, native, semaphore.address, 0
-        ),
+        f"{name}, cuLaunchHostFunc {launcher.path}": lambda: (native_signal(),),
         "Python callback: cuLaunchHostFunc": lambda: drv.cuLaunchHostFunc(stream, python_fn, 0),
     }
     try:
         for _ in range(max(3, config.wake_trials // 4)):
-            for name, launch in signals.items():
+            for label, launch in signals.items():
                 with hold(stream) as gate:  # queue it all before the stream runs
                     check(drv.cuEventRecord(start, stream), "cuEventRecord")
-                    check(launch(), name)
+                    check(launch(), label)
                     check(drv.cuEventRecord(end, stream), "cuEventRecord")
                     gate.release()
                     _hold_gil(0.002)
                 check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
-                semaphore.drain()
+                if mailbox is not None:
+                    mailbox.take()
                 elapsed_ms = check(drv.cuEventElapsedTime(start, end), "cuEventElapsedTime")
-                results.signal_hold.setdefault(name, []).append(float(elapsed_ms) / 1e3)
+                results.signal_hold.setdefault(label, []).append(float(elapsed_ms) / 1e3)
     finally:
         drv.cuEventDestroy(start)
         drv.cuEventDestroy(end)
 
 
 @contextlib.contextmanager
-def timed_ticks(samples: list[float]) -> Iterator[None]:
-    """Time every tick of the running loop's poller."""
-    poller = _asyncio_poller(asyncio.get_running_loop())
-    original = poller.tick
-
-    def tick() -> float | None:
-        start = time.perf_counter()
-        try:
-            return original()
-        finally:
-            samples.append(time.perf_counter() - start)
-
-    poller.tick = tick  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del poller.tick
+def timed_ticks(figures: dict[str, float]) -> Iterator[None]:
+    """Measure the running loop's poller ticks over the block, from its statistics."""
+    before = current_statistics()
+    yield
+    after = current_statistics()
+    ticks = after.ticks - before.ticks
+    if ticks:
+        figures["ticks"] = float(ticks)
+        figures["tick_mean_s"] = (after.tick_seconds - before.tick_seconds) / ticks
 
 
 def _stamp(probe: asyncio.Future[float]) -> None:
@@ -520,7 +530,7 @@ async def scale(
             tokens = [contender.record(streams[i % len(streams)]) for i in range(size)]
             waiters = [asyncio.ensure_future(contender.wait(token)) for token in tokens]
             await asyncio.sleep(0.01)  # every waiter is parked in its wait
-            ticks: list[float] = []
+            ticks: dict[str, float] = {}
             with timed_ticks(ticks) if contender.is_asyncfence else contextlib.nullcontext():
                 lags = await loop_lag(time.perf_counter() + config.scale_window_s)
             for gate in gates:
@@ -529,9 +539,7 @@ async def scale(
             for token in tokens:
                 contender.done(token)
             figures = {"lag_p99_s": percentile(lags, 0.99), "lag_p50_s": percentile(lags, 0.5)}
-            if ticks:
-                figures["tick_median_s"] = statistics.median(ticks)
-                figures["ticks"] = float(len(ticks))
+            figures.update(ticks)
             results.scale.setdefault(contender.name, {})[size] = figures
             progress.step(f"scale: {size} pending, {contender.name}")
 
@@ -713,8 +721,8 @@ def _rows(summary: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]]
                 if str(s) not in per
                 else number(per[str(s)]["lag_p99_s"] * 1e6)
                 + (
-                    f" / {number(per[str(s)]['tick_median_s'] * 1e6, 1)}"
-                    if "tick_median_s" in per[str(s)]
+                    f" / {number(per[str(s)]['tick_mean_s'] * 1e6, 1)}"
+                    if "tick_mean_s" in per[str(s)]
                     else ""
                 )
                 for s in sizes

@@ -8,19 +8,18 @@ machines without an NVIDIA driver.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
-from ._backend import Marker, QueueInfo
+from ._backend import Marker, NativeSignal, QueueInfo
 from ._exceptions import DeviceError, DriverNotFoundError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Hashable
+    from collections.abc import Hashable
     from types import ModuleType
-
-    from ._watcher import NativeSignal
 
 __all__ = ["CudaBackend", "check", "cuda_stream_handle", "device_error", "driver"]
 
@@ -35,6 +34,13 @@ _POOL_LIMIT = 4096
 _SIDE_STREAM_LIMIT = 256
 # CU_HOST_TASK_BLOCKING: the driver thread blocks, rather than spins, around it.
 _HOST_TASK_BLOCKING = 0
+# cuLaunchHostFunc_v2 appeared in CUDA 13.2; cuLaunchHostFunc in 10.0.
+_HOST_FUNC_V2_VERSION = 13020
+_HOST_FUNC_V1_VERSION = 10000
+
+#: Which entry point launches completion signals: ``"v2"`` (cuLaunchHostFunc_v2),
+#: ``"v1"`` (the raw cuLaunchHostFunc), or ``"none"`` (neither: parked waits poll).
+HostFunctionPath = Literal["v2", "v1", "none"]
 
 _ACCEPTS = (
     "a CUDA stream: an object with __cuda_stream__ (cuda.core, PyTorch, numba-cuda, "
@@ -134,6 +140,63 @@ def cuda_stream_handle(stream: object) -> int:
     return handle
 
 
+class HostFunctionLauncher:
+    """Launches a native host function through the driver's own entry point.
+
+    Never through cuda.bindings' ``cuLaunchHostFunc``: that wrapper registers
+    a trampoline that takes the GIL on the driver's thread for every call.
+    The raw entry point, from ``cuGetProcAddress``, receives the native
+    function itself; ctypes releases the GIL around the call.
+
+    Attributes:
+        path: Which entry point it uses (see :data:`HostFunctionPath`).
+    """
+
+    def __init__(self, drv: ModuleType) -> None:
+        self.path: HostFunctionPath = "none"
+        self._launch: Any = None
+        err, version = drv.cuDriverGetVersion()
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return
+        if version >= _HOST_FUNC_V2_VERSION:
+            address = _entry_point(drv, "cuLaunchHostFunc", _HOST_FUNC_V2_VERSION)
+            if address:
+                prototype = ctypes.CFUNCTYPE(
+                    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint
+                )
+                self.path, self._launch = "v2", prototype(address)
+                return
+        address = _entry_point(drv, "cuLaunchHostFunc", _HOST_FUNC_V1_VERSION)
+        if address:
+            prototype = ctypes.CFUNCTYPE(
+                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+            )
+            self.path, self._launch = "v1", prototype(address)
+
+    def launch(self, stream: int, function: int, argument: int) -> int:
+        """Queue ``function(argument)`` on ``stream``; returns the ``CUresult`` code.
+
+        Raises:
+            RuntimeError: No entry point (``path`` is ``"none"``).
+        """
+        if self._launch is None:
+            raise RuntimeError("this driver offers no cuLaunchHostFunc entry point")
+        if self.path == "v2":
+            return int(self._launch(stream, function, argument, _HOST_TASK_BLOCKING))
+        return int(self._launch(stream, function, argument))
+
+
+def _entry_point(drv: ModuleType, symbol: str, version: int) -> int:
+    """The driver's own address for ``symbol`` at ``version``; 0 if it has none."""
+    try:
+        result = drv.cuGetProcAddress(symbol.encode(), version, 0)
+    except RuntimeError:  # cuGetProcAddress itself missing from the binding or driver
+        return 0
+    if result[0] != drv.CUresult.CUDA_SUCCESS or not result[1]:
+        return 0
+    return int(result[1])
+
+
 class _CudaMarker:
     """A recorded event, its context, and the pool it goes back to."""
 
@@ -155,6 +218,7 @@ class CudaBackend:
     """
 
     name = "cuda"
+    title = "CUDA"
     accepts = _ACCEPTS
 
     def __init__(self) -> None:
@@ -165,8 +229,7 @@ class CudaBackend:
         # by a signal, and one slow stream never delays another's signals.
         self._side_streams: OrderedDict[Hashable, Any] = OrderedDict()
         self._side_lock = threading.Lock()
-        self._host_func_v2: bool | None = None  # unknown until first tried
-        self._host_fn: Any = None
+        self._launcher: HostFunctionLauncher | None = None
 
     def claims(self, stream: object) -> bool:
         if isinstance(stream, bool):
@@ -248,6 +311,11 @@ class CudaBackend:
             return False
         raise device_error(drv, err, "the work before the fence failed")
 
+    def check_stream(self, origin: QueueInfo, stream: object) -> None:
+        # The stream's context, as record() resolves it: any context will do
+        # (cuStreamWaitEvent works across contexts and devices).
+        self._stream(stream)
+
     def stream_wait(self, marker: Marker, origin: QueueInfo, stream: object) -> None:
         assert isinstance(marker, _CudaMarker)
         handle = cuda_stream_handle(stream)
@@ -280,39 +348,37 @@ class CudaBackend:
             drv.cuStreamDestroy(self._side_streams.popitem(last=False)[1])
         return side
 
-    def arm(
-        self,
-        marker: Marker,
-        queue: QueueInfo,
-        order: int,
-        notify: Callable[[], None],
-        native: NativeSignal | None,
-    ) -> bool:
+    def host_function_path(self) -> HostFunctionPath | None:
+        """The entry point completion signals use; ``None`` before the first."""
+        launcher = self._launcher
+        return None if launcher is None else launcher.path
+
+    def host_functions(self) -> HostFunctionLauncher:
+        """The process's launcher, resolved on first use.
+
+        Raises:
+            DriverNotFoundError: No NVIDIA driver.
+        """
+        if self._launcher is None:
+            drv = driver()
+            with self._side_lock:
+                if self._launcher is None:
+                    self._launcher = HostFunctionLauncher(drv)
+        return self._launcher
+
+    def arm(self, marker: Marker, queue: QueueInfo, signal: NativeSignal) -> bool:
         assert isinstance(marker, _CudaMarker)
-        if native is None or self._host_func_v2 is False:
+        launcher = self.host_functions()
+        if launcher.path == "none":
             return False
         drv = driver()
-        if self._host_fn is None:
-            self._host_fn = drv.CUhostFn(native.function)
         with self._side_lock:
-            try:
-                side = self._side_stream(drv, queue.key, marker.context)
-            except DeviceError:
-                return False  # a faulted context: the watcher's re-check sees the fault
-            (err,) = drv.cuStreamWaitEvent(side, marker.event, 0)
-            if err != drv.CUresult.CUDA_SUCCESS:
-                return False
-            try:
-                # The raw v2 entry point: the driver calls sem_post itself. The v1
-                # wrapper of cuda.bindings would take the GIL on the driver thread.
-                (err,) = drv.cuLaunchHostFunc_v2(
-                    side, self._host_fn, native.argument, _HOST_TASK_BLOCKING
-                )
-            except RuntimeError:  # FunctionNotFoundError: a driver older than v2
-                self._host_func_v2 = False
-                return False
-        self._host_func_v2 = True
-        return bool(err == drv.CUresult.CUDA_SUCCESS)
+            side = self._side_stream(drv, queue.key, marker.context)
+            check(drv.cuStreamWaitEvent(side, marker.event, 0), "cuStreamWaitEvent")
+            err = launcher.launch(int(side), signal.host_function, signal.argument)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise device_error(drv, err, f"cuLaunchHostFunc ({launcher.path}) failed")
+        return True
 
     def release(self, marker: Marker) -> None:
         assert isinstance(marker, _CudaMarker)

@@ -64,7 +64,17 @@ class DropQueueStatistics:
 class _Item:
     """One deferred object, waiting for its fences."""
 
-    __slots__ = ("deferred_at", "failure", "fences", "free", "nbytes", "obj", "remaining", "seq")
+    __slots__ = (
+        "deferred_at",
+        "failure",
+        "fences",
+        "free",
+        "nbytes",
+        "obj",
+        "remaining",
+        "seq",
+        "waiters",
+    )
 
     def __init__(
         self,
@@ -82,6 +92,8 @@ class _Item:
         self.remaining = len(fences)
         self.failure: BaseException | None = None
         self.deferred_at = time.monotonic()
+        # Registered with the poller, one per pending fence.
+        self.waiters: list[tuple[Fence, _ItemWaiter]] = []
 
 
 class _ItemWaiter:
@@ -251,7 +263,7 @@ class DropQueue:
         if schedule:
             assert poller is not None
             try:
-                poller._call_soon_threadsafe(self._take_inbox)
+                poller.call_soon_threadsafe(self._take_inbox)
             except RuntimeError:  # the loop is gone: the items stay pending, visibly
                 _logger.error("the DropQueue's event loop is closed; %r stays pending", obj)
 
@@ -288,7 +300,7 @@ class DropQueue:
             else:
                 schedule = False
         if schedule:
-            poller._call_soon(self._take_inbox)
+            poller.call_soon(self._take_inbox)
         return poller
 
     def _take_inbox(self) -> None:
@@ -309,7 +321,9 @@ class DropQueue:
                     self._fence_settled(item, unexpected)
                     continue
                 if state == PENDING:
-                    poller.add(fence, _ItemWaiter(self, item), strategy)
+                    waiter = _ItemWaiter(self, item)
+                    item.waiters.append((fence, waiter))
+                    poller.add(fence, waiter, strategy)
                 else:
                     self._fence_settled(item, fence._error() if state == FAILED else None)
 
@@ -325,6 +339,7 @@ class DropQueue:
         obj, free, failure = item.obj, item.free, item.failure
         item.obj = item.free = None
         item.fences = []
+        item.waiters = []
         if failure is None:
             free_error: Exception | None = None
             if free is not None:
@@ -467,10 +482,8 @@ class DropQueue:
                 self._inbox.clear()
                 pending = list(self._unfinished.values())
             for item in pending:
-                for fence in item.fences:
-                    for waiter in list(poller._waiters.get(fence, ())):
-                        if isinstance(waiter, _ItemWaiter) and waiter.item is item:
-                            poller.discard(fence, waiter)
+                for fence, waiter in item.waiters:
+                    poller.discard(fence, waiter)
                 item.failure = FenceError(
                     "the DropQueue closed with cancel_pending=True before this "
                     "object's fences completed"

@@ -14,21 +14,27 @@ from ._config import Strategy, check_strategy, check_timeout, current_config
 from ._exceptions import DeviceError, FenceError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Generator
+    from collections.abc import Awaitable, Callable, Generator
 
     from typing_extensions import Self
 
-    from ._watcher import NativeSignal
+    from ._backend import NativeSignal
 
-__all__ = ["DONE", "FAILED", "PENDING", "Fence", "record"]
+__all__ = ["ARMED", "DONE", "FAILED", "PENDING", "SETTLED", "UNSIGNALLED", "Fence", "record"]
 
 PENDING: Final = 0
 DONE: Final = 1
 FAILED: Final = 2
 
-# Guards the one-way transition out of PENDING, so that exactly one thread
-# releases a marker, and no stream_wait ever uses a marker already released
-# (a pooled CUDA event may be recording other work by then).
+# What Fence._arm found: a signal armed, none possible (poll it), or settled already.
+ARMED: Final = "armed"
+UNSIGNALLED: Final = "unsignalled"
+SETTLED: Final = "settled"
+
+# Guards state changes only, never a driver call: the one-way transition out
+# of PENDING (so that exactly one thread releases a marker), and the pins that
+# keep a marker from being released while a driver call uses it (a pooled
+# CUDA event may be recording other work once released).
 _settle_lock = threading.Lock()
 # Record order within a queue; a global counter is enough to order each queue.
 # Taken with the record, under the queue's lock: two threads recording on one
@@ -90,6 +96,7 @@ class Fence:
         "_failure",
         "_generation",
         "_marker",
+        "_pins",
         "_queue",
         "_seq",
         "_state",
@@ -97,6 +104,7 @@ class Fence:
 
     _backend: Backend
     _marker: Marker | None
+    _pins: int
     _queue: QueueInfo
     _seq: int
     _state: int
@@ -111,6 +119,7 @@ class Fence:
         fence = object.__new__(cls)
         fence._backend = backend
         fence._marker = marker
+        fence._pins = 0
         fence._queue = queue
         fence._seq = seq
         fence._state = PENDING
@@ -162,9 +171,29 @@ class Fence:
             # finds no marker then always finds the fence settled.
             self._failure = failure
             self._state = state
+            if self._pins:
+                return  # a driver call still uses the marker: the last unpin releases it
             marker, self._marker = self._marker, None
         assert marker is not None
         self._backend.release(marker)
+
+    def _pin(self) -> Marker | None:
+        """The marker, kept from release until :meth:`_unpin`; ``None`` if settled."""
+        with _settle_lock:
+            marker = self._marker
+            if marker is None or self._state != PENDING:
+                return None
+            self._pins += 1
+            return marker
+
+    def _unpin(self) -> None:
+        with _settle_lock:
+            self._pins -= 1
+            if self._pins or self._state == PENDING:
+                return
+            marker, self._marker = self._marker, None
+        if marker is not None:
+            self._backend.release(marker)
 
     def _error(self) -> DeviceError:
         """A fresh copy of the failure, so each waiter gets its own traceback."""
@@ -172,14 +201,24 @@ class Fence:
         assert failure is not None
         return copy.copy(failure).with_traceback(None)
 
-    def _arm(self, notify: Callable[[], None], native: NativeSignal | None) -> bool:
-        """Arm the backend's completion signal; if already settled, notify now."""
-        with _settle_lock:  # the marker cannot be released and re-recorded meanwhile
-            marker = self._marker
-            if marker is not None:
-                return self._backend.arm(marker, self._queue, self._seq, notify, native)
-        notify()
-        return True
+    def _arm(self, signal: NativeSignal) -> str:
+        """Have the runtime call ``signal`` once the device passes this fence.
+
+        Returns:
+            :data:`ARMED`, :data:`UNSIGNALLED` (the runtime cannot call it:
+            poll instead), or :data:`SETTLED` (nothing to wait for).
+
+        Raises:
+            DeviceError: The runtime refused (a faulted CUDA context, say).
+        """
+        marker = self._pin()
+        if marker is None:
+            return SETTLED
+        try:
+            armed = self._backend.arm(marker, self._queue, signal)
+        finally:
+            self._unpin()
+        return ARMED if armed else UNSIGNALLED
 
     def _raise_failure(self) -> NoReturn:
         raise self._error()
@@ -255,18 +294,23 @@ class Fence:
         """
         if not self._backend.claims(stream):
             raise TypeError(
-                f"a {self._backend.name} fence can only be waited on by "
+                f"{self._backend.title} fences can only be waited on by "
                 f"{self._backend.accepts}; got {type(stream).__qualname__} object"
             )
+        # Whatever the fence's state: whether a program errors must not
+        # depend on how fast the device was.
+        self._backend.check_stream(self._queue, stream)
         # Settled first: a stream told to wait for a fence that already failed
         # may never run again (OpenCL), so that failure is raised instead.
         if self._poll() == FAILED:
             self._raise_failure()
-        with _settle_lock:
-            marker = self._marker
-            if marker is not None:
+        marker = self._pin()
+        if marker is not None:
+            try:
                 self._backend.stream_wait(marker, self._queue, stream)
-                return
+            finally:
+                self._unpin()
+            return
         if self._state == FAILED:
             self._raise_failure()
 
@@ -291,14 +335,25 @@ class Fence:
             DeviceError: The work before the fence failed.
             ValueError: ``strategy`` is not a known strategy.
         """
-        from ._loops import wait_for_fence
-
         seconds = check_timeout(timeout)
         chosen = current_config().strategy if strategy is None else check_strategy(strategy)
-        await wait_for_fence(self, seconds, chosen)
+        await (_wait_for_fence or _bind_wait())(self, seconds, chosen)
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
+
+
+# The loops' wait, bound on first use: _loops imports this module, and this
+# is the one call back up (waiting needs the loop layer; fences do not).
+_wait_for_fence: Callable[[Fence, float, Strategy], Awaitable[None]] | None = None
+
+
+def _bind_wait() -> Callable[[Fence, float, Strategy], Awaitable[None]]:
+    global _wait_for_fence
+    from ._loops import wait_for_fence
+
+    _wait_for_fence = wait_for_fence
+    return wait_for_fence
 
 
 def record(stream: object) -> Fence:

@@ -1,7 +1,7 @@
 """Fences grouped by stream, swept so that only what can have completed is queried.
 
-Shared by the loop's poller and the watcher thread. Not thread-safe: each
-owner guards its own.
+Shared by a loop's poller (its polled and its parked fences) and the fallback
+watcher thread. Not thread-safe: each owner guards its own.
 """
 
 from __future__ import annotations
@@ -13,21 +13,34 @@ from typing import TYPE_CHECKING
 from ._fence import PENDING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Hashable, Iterator
+    from collections.abc import Callable, Collection, Hashable
 
     from ._fence import Fence
 
 __all__ = ["FenceSet"]
+
+# An in-order queue's heap is rebuilt once stale entries outnumber live ones
+# by this many, so fences that left the set are never held for long.
+_COMPACT_SLACK = 16
 
 
 @dataclass(slots=True)
 class _Queue:
     in_order: bool
     # In-order queues: a heap by record order. Entries of fences no longer in
-    # the set are dropped lazily, when they reach the top.
+    # the set are dropped when they reach the top, or by compaction.
     heap: list[tuple[int, Fence]] = field(default_factory=list)
     # Out-of-order queues: every member, as an ordered set.
     unordered: dict[Fence, None] = field(default_factory=dict)
+    members: int = 0
+
+
+def _query(fence: Fence) -> tuple[bool, Exception | None]:
+    """Whether ``fence`` has settled, and what its query raised unexpectedly."""
+    try:
+        return fence._poll() != PENDING, None
+    except Exception as unexpected:  # a backend bug must reach the waiters
+        return True, unexpected
 
 
 class FenceSet:
@@ -41,8 +54,6 @@ class FenceSet:
 
     def __init__(self) -> None:
         self._members: set[Fence] = set()
-        self._members_per_queue: dict[Hashable, int] = {}
-        self._in_heap: set[Fence] = set()
         self._queues: dict[Hashable, _Queue] = {}
 
     def __len__(self) -> int:
@@ -51,17 +62,15 @@ class FenceSet:
     def __contains__(self, fence: object) -> bool:
         return fence in self._members
 
-    def __iter__(self) -> Iterator[Fence]:
-        return iter(list(self._members))
-
     @property
     def queue_count(self) -> int:
         """How many streams the members are on."""
-        return len(self._members_per_queue)
+        return len(self._queues)
 
     def on_queue_of(self, fence: Fence) -> int:
         """How many members share ``fence``'s queue (``fence`` included, if a member)."""
-        return self._members_per_queue.get(fence._queue.key, 0)
+        queue = self._queues.get(fence._queue.key)
+        return 0 if queue is None else queue.members
 
     def add(self, fence: Fence) -> bool:
         """Add ``fence``; returns whether it was new."""
@@ -69,45 +78,35 @@ class FenceSet:
             return False
         self._members.add(fence)
         info = fence._queue
-        self._members_per_queue[info.key] = self._members_per_queue.get(info.key, 0) + 1
         queue = self._queues.get(info.key)
         if queue is None:
             queue = self._queues[info.key] = _Queue(info.in_order)
-        if not queue.in_order:
-            queue.unordered[fence] = None
-        elif fence not in self._in_heap:
-            self._in_heap.add(fence)
+        queue.members += 1
+        if queue.in_order:
             heapq.heappush(queue.heap, (fence._seq, fence))
+        else:
+            queue.unordered[fence] = None
         return True
 
     def discard(self, fence: Fence) -> None:
         """Remove ``fence`` if present."""
         if fence not in self._members:
             return
-        self._remove_member(fence)
-        if not self._members:
-            self.clear()  # drop stale heap entries: they keep fences alive
-            return
-        queue = self._queues.get(fence._queue.key)
-        if queue is not None and not queue.in_order:
-            queue.unordered.pop(fence, None)
-            if not queue.unordered:
-                del self._queues[fence._queue.key]
-
-    def _remove_member(self, fence: Fence) -> None:
         self._members.discard(fence)
         key = fence._queue.key
-        remaining = self._members_per_queue[key] - 1
-        if remaining:
-            self._members_per_queue[key] = remaining
-        else:
-            del self._members_per_queue[key]
+        queue = self._queues[key]
+        queue.members -= 1
+        if not queue.members:
+            del self._queues[key]  # and with it every stale heap entry
+        elif not queue.in_order:
+            del queue.unordered[fence]
+        elif len(queue.heap) > 2 * queue.members + _COMPACT_SLACK:
+            queue.heap = [entry for entry in queue.heap if entry[1] in self._members]
+            heapq.heapify(queue.heap)
 
     def clear(self) -> None:
         """Remove every fence."""
         self._members.clear()
-        self._members_per_queue.clear()
-        self._in_heap.clear()
         self._queues.clear()
 
     def head(self, fence: Fence) -> Fence | None:
@@ -120,7 +119,7 @@ class FenceSet:
     def _oldest(self, queue: _Queue) -> Fence | None:
         heap = queue.heap
         while heap and heap[0][1] not in self._members:  # drop stale entries
-            self._in_heap.discard(heapq.heappop(heap)[1])
+            heapq.heappop(heap)
         return heap[0][1] if heap else None
 
     def needs_own_signal(self, fence: Fence) -> bool:
@@ -134,59 +133,62 @@ class FenceSet:
         head = self.head(fence)
         return head is None or head is fence
 
-    def heads(self) -> list[Fence]:
-        """The members that need their own signal (see :meth:`needs_own_signal`)."""
+    def heads(self, keys: Collection[Hashable] | None = None) -> list[Fence]:
+        """The members that need their own signal (see :meth:`needs_own_signal`).
+
+        Args:
+            keys: Only on these queues; every queue by default.
+        """
         found: list[Fence] = []
-        for queue in self._queues.values():
+        for queue in self._selected(keys):
             if not queue.in_order:
                 found.extend(queue.unordered)
             elif (oldest := self._oldest(queue)) is not None:
                 found.append(oldest)
         return found
 
-    def sweep(self, settled: Callable[[Fence, Exception | None], None]) -> int:
+    def _selected(self, keys: Collection[Hashable] | None) -> list[_Queue]:
+        if keys is None:
+            return list(self._queues.values())
+        return [queue for key in keys if (queue := self._queues.get(key)) is not None]
+
+    def sweep(
+        self,
+        settled: Callable[[Fence, Exception | None], None],
+        keys: Collection[Hashable] | None = None,
+    ) -> int:
         """Query what can have completed; remove and report each settled fence.
 
         ``settled(fence, None)`` is called for a fence done or failed, and
         ``settled(fence, error)`` if querying it raised something unexpected.
+        Each is removed before it is reported.
+
+        Args:
+            settled: Told of each settled fence.
+            keys: Only the queues with these keys; every queue by default.
 
         Returns:
             The number of device queries made.
         """
         queries = 0
-        for key, queue in list(self._queues.items()):
+        found: list[tuple[Fence, Exception | None]] = []
+        for queue in self._selected(keys):
             if queue.in_order:
-                heap = queue.heap
-                while heap:
-                    fence = heap[0][1]
-                    if fence in self._members:
-                        queries += fence._state == PENDING
-                        outcome = self._query(fence)
-                        if outcome is PENDING:
-                            break
-                    heapq.heappop(heap)
-                    self._in_heap.discard(fence)
-                    if fence in self._members:
-                        self._remove_member(fence)
-                        settled(fence, outcome)  # type: ignore[arg-type]
-                empty = not heap
+                while (fence := self._oldest(queue)) is not None:
+                    queries += fence._state == PENDING
+                    done, unexpected = _query(fence)
+                    if not done:
+                        break
+                    self.discard(fence)
+                    found.append((fence, unexpected))
             else:
                 for fence in list(queue.unordered):
                     queries += fence._state == PENDING
-                    outcome = self._query(fence)
-                    if outcome is not PENDING:
-                        del queue.unordered[fence]
-                        self._remove_member(fence)
-                        settled(fence, outcome)  # type: ignore[arg-type]
-                empty = not queue.unordered
-            if empty:
-                del self._queues[key]
+                    done, unexpected = _query(fence)
+                    if done:
+                        self.discard(fence)
+                        found.append((fence, unexpected))
+        # Reported once the set is consistent: a report may add or remove members.
+        for fence, unexpected in found:
+            settled(fence, unexpected)
         return queries
-
-    @staticmethod
-    def _query(fence: Fence) -> Exception | int | None:
-        """``PENDING``, ``None`` (settled), or an unexpected error from the backend."""
-        try:
-            return PENDING if fence._poll() == PENDING else None
-        except Exception as unexpected:  # a backend bug must reach the waiters
-            return unexpected

@@ -1,17 +1,27 @@
-"""Waiting on asyncio and on trio: each loop's native suspension, one poller each.
+"""The event loops: one small driver per loop library, and the wait, written once.
 
-No thread is spent on a wait. The poller is created on first use in a loop and
-stops ticking whenever nothing on that loop is awaited.
+A driver gives the poller (:mod:`asyncfence._poller`) what it needs of its
+loop (call soon, from the loop thread or any other, a self-rescheduling
+chain, a file descriptor to watch) and gives :func:`wait_for_fence` a way to
+suspend the calling task and a checkpoint. Drivers exist for asyncio (uvloop
+included) and trio; anyio runs on one of them. Each loop gets one poller, made
+on first use, that lives as long as the loop (or the trio run) does.
+
+Every callback a driver runs for the poller is guarded: nothing the poller
+does can raise into the loop (an asyncio exception handler, trio's
+``TrioInternalError``), and a step that fails is retried rather than lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import sys
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from ._config import current_config
 from ._fence import DONE, FAILED, PENDING
 from ._poller import Poller, PollerStatistics
 
@@ -22,51 +32,69 @@ if TYPE_CHECKING:
 
     from ._config import Strategy
     from ._fence import Fence
+    from ._poller import Waiter
 
 __all__ = ["current_poller", "current_statistics", "wait_for_fence"]
 
+_logger = logging.getLogger("asyncfence.loops")
 
-def _in_trio() -> bool:
-    trio = sys.modules.get("trio")
-    return trio is not None and trio.lowlevel.in_trio_task()
+# Where an asyncio loop keeps its driver and poller: on the loop itself, so
+# that a loop closed with waits pending is collected with its poller (a
+# registry keyed by the loop would be kept alive by the waiters' futures,
+# which refer to the loop).
+_DRIVER_ATTRIBUTE: Final = "_asyncfence_driver"
+
+
+class _Suspender(Protocol):
+    """How :func:`wait_for_fence` suspends a task on one loop library."""
+
+    poller: Poller
+
+    def new_waiter(self) -> Waiter:
+        """A waiter for the calling task."""
+        ...
+
+    async def checkpoint(self) -> None:
+        """Yield to the loop, honouring cancellation."""
+        ...
+
+    async def suspend(self, waiter: Waiter, seconds: float, abort: Callable[[], None]) -> bool:
+        """Sleep until ``waiter`` is woken (True) or ``seconds`` pass (False).
+
+        ``abort()`` unregisters the waiter; it runs before the task resumes
+        from a cancellation or a timeout, so that no wake can arrive late.
+        """
+        ...
 
 
 async def wait_for_fence(fence: Fence, seconds: float, strategy: Strategy) -> None:
-    """Wait for ``fence`` on whichever loop runs the calling task."""
-    if _in_trio():
-        await _wait_trio(fence, seconds, strategy)
-    else:
-        await _wait_asyncio(fence, seconds, strategy)
+    """Wait for ``fence`` on whichever loop runs the calling task.
 
-
-def current_poller() -> Poller:
-    """The running loop's poller, made on first use.
+    Always a checkpoint; always unregisters, however the wait ends.
 
     Raises:
-        RuntimeError: Called outside an asyncio or trio event loop.
+        TimeoutError: ``seconds`` passed first.
+        DeviceError: The work before the fence failed.
+        RuntimeError: No asyncio or trio loop runs the calling task.
     """
-    if _in_trio():
-        poller = _current_trio_poller(create=True)
-        assert poller is not None
-        return poller
-    return _asyncio_poller(_running_asyncio_loop())
-
-
-def current_statistics() -> PollerStatistics:
-    """Return a snapshot of the running loop's poller.
-
-    Raises:
-        RuntimeError: Called outside an asyncio or trio event loop.
-    """
-    if _in_trio():
-        poller: Poller | None = _current_trio_poller(create=False)
-    else:
-        poller = _asyncio_pollers.get(_running_asyncio_loop())
-    return poller.statistics() if poller is not None else PollerStatistics()
+    loop = _current_suspender()
+    if fence._poll() != PENDING or seconds == 0:
+        await loop.checkpoint()  # a checkpoint, even when there is nothing to wait for
+        _settled_outcome(fence, seconds)
+        return
+    poller = loop.poller
+    waiter = loop.new_waiter()
+    try:
+        poller.add(fence, waiter, strategy)
+        woken = await loop.suspend(waiter, seconds, lambda: poller.discard(fence, waiter))
+    finally:
+        poller.discard(fence, waiter)
+    if not woken:
+        _settled_outcome(fence, seconds)
 
 
 def _settled_outcome(fence: Fence, seconds: float) -> None:
-    """After a checkpoint or a timeout: return if done, else raise."""
+    """After a checkpoint or a timeout: return if done, raise its failure, or time out."""
     state = fence._poll()
     if state == DONE:
         return
@@ -75,7 +103,57 @@ def _settled_outcome(fence: Fence, seconds: float) -> None:
     raise TimeoutError(f"{fence!r} did not complete within {seconds} s")
 
 
-# -- asyncio -------------------------------------------------------------------
+def _in_trio() -> bool:
+    trio = sys.modules.get("trio")
+    return trio is not None and trio.lowlevel.in_trio_task()
+
+
+def _current_suspender() -> _Suspender:
+    if _in_trio():
+        return _trio_suspender()
+    return _asyncio_suspender(_running_asyncio_loop())
+
+
+def current_poller() -> Poller:
+    """The running loop's poller, made on first use.
+
+    Raises:
+        RuntimeError: Called outside an asyncio or trio event loop.
+    """
+    return _current_suspender().poller
+
+
+def current_statistics() -> PollerStatistics:
+    """Return a snapshot of the running loop's waits.
+
+    Raises:
+        RuntimeError: Called outside an asyncio or trio event loop.
+    """
+    if _in_trio():
+        poller: Poller | None = _trio_poller(create=False)
+    else:
+        suspender = _existing_asyncio_suspender(_running_asyncio_loop())
+        poller = None if suspender is None else suspender.poller
+    return poller.statistics() if poller is not None else PollerStatistics()
+
+
+def _guarded(callback: Callable[[], None], what: str) -> Callable[[], None]:
+    """``callback``, made safe to run as a loop callback: it never raises an Exception."""
+
+    def run() -> None:
+        try:
+            callback()
+        except Exception:
+            _logger.exception("asyncfence: %s raised; the loop goes on", what)
+
+    return run
+
+
+def _retry_delay() -> float:
+    return current_config().poll_cap
+
+
+# -- asyncio (uvloop included) -------------------------------------------------------------
 
 
 def _running_asyncio_loop() -> asyncio.AbstractEventLoop:
@@ -88,227 +166,332 @@ def _running_asyncio_loop() -> asyncio.AbstractEventLoop:
         ) from None
 
 
+class _AsyncioChain:
+    """A step that reschedules itself with ``call_soon`` / ``call_at``."""
+
+    __slots__ = ("_due", "_handle", "_loop", "_soon", "_step")
+
+    def __init__(
+        self, loop: weakref.ref[asyncio.AbstractEventLoop], step: Callable[[], float | None]
+    ) -> None:
+        self._loop = loop
+        self._step = step
+        self._handle: asyncio.Handle | None = None
+        self._soon = False
+        self._due = math.inf
+
+    @property
+    def running(self) -> bool:
+        return self._handle is not None
+
+    def ensure(self, delay: float) -> None:
+        handle = self._handle
+        if handle is not None and self._soon:
+            return  # nothing is sooner
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return
+        if delay <= 0:
+            if handle is not None:
+                handle.cancel()
+            self._handle, self._soon = loop.call_soon(self._run), True
+            return
+        due = loop.time() + delay
+        if handle is not None and self._due <= due:
+            return
+        if handle is not None:
+            handle.cancel()
+        self._handle, self._soon, self._due = loop.call_at(due, self._run), False, due
+
+    def _run(self) -> None:
+        self._handle, self._due = None, math.inf
+        try:
+            delay = self._step()
+        except Exception:  # never lost: the loop's later waits must still work
+            _logger.exception("asyncfence: a poller step raised; retrying it")
+            delay = _retry_delay()
+        if delay is not None:
+            self.ensure(delay)
+
+
 class _FutureWaiter:
     __slots__ = ("future",)
 
-    def __init__(self, future: asyncio.Future[None]) -> None:
+    def __init__(self, future: asyncio.Future[bool]) -> None:
         self.future = future
 
     def wake(self, error: BaseException | None) -> None:
         future = self.future
-        if future.done():  # cancelled meanwhile
+        if future.done():  # cancelled or timed out meanwhile
             return
         if error is None:
-            future.set_result(None)
+            future.set_result(True)
         else:
             future.set_exception(error)
 
 
-class _AsyncioPoller(Poller):
-    """Ticks with ``call_soon`` while spinning and ``call_later`` while backing off."""
+def _expire(future: asyncio.Future[bool]) -> None:
+    if not future.done():
+        future.set_result(False)
+
+
+class _AsyncioDriver:
+    """asyncio's primitives, for a poller and for :func:`wait_for_fence`."""
+
+    __slots__ = ("__weakref__", "_loop", "poller")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__()
-        # Weak, so that the registry below never keeps a closed loop alive.
+        # Weak: the loop holds this driver (through its poller), not the reverse.
         self._loop = weakref.ref(loop)
-        self._handle: asyncio.Handle | None = None
-        self._sleeping = False
+        self.poller = Poller(self)
 
-    def _is_running(self) -> bool:
-        return self._handle is not None
+    # For the poller.
 
-    def _call_soon_threadsafe(self, callback: Callable[[], None]) -> object:
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            callback()  # a task abandoned on a closed loop, being closed: clean up now
+            return
+        loop.call_soon(_guarded(callback, "a poller callback"))
+
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
         loop = self._loop()
         if loop is None:
             raise RuntimeError("the event loop is gone")
-        return loop.call_soon_threadsafe(callback)
+        loop.call_soon_threadsafe(_guarded(callback, "a poller callback"))
 
-    def _call_soon(self, callback: Callable[[], None]) -> None:
-        loop = self._loop()
-        if loop is None or loop.is_closed():
-            # A task abandoned on a closed loop, being closed: clean up now.
-            callback()
-            return
-        loop.call_soon(callback)
+    def chain(self, step: Callable[[], float | None]) -> _AsyncioChain:
+        return _AsyncioChain(self._loop, step)
 
-    def _ensure_ticking(self) -> None:
-        if self._handle is not None and not self._sleeping:
-            return
+    def watch_readable(self, fd: int, callback: Callable[[], None]) -> bool:
         loop = self._loop()
         if loop is None:
-            return
-        if self._handle is not None:
-            self._handle.cancel()
-        self._sleeping = False
-        self._handle = loop.call_soon(self._run)
+            return False
+        try:
+            loop.add_reader(fd, _guarded(callback, "the native mailbox's reader"))
+        except NotImplementedError:  # a proactor loop (Windows)
+            return False
+        return True
 
-    def _run(self) -> None:
-        delay = self.tick()
+    # For wait_for_fence.
+
+    def new_waiter(self) -> _FutureWaiter:
         loop = self._loop()
-        if delay is None or loop is None:
-            self._handle = None
-        elif delay == 0:
-            self._sleeping = False
-            self._handle = loop.call_soon(self._run)
-        else:
-            self._sleeping = True
-            self._handle = loop.call_later(delay, self._run)
+        assert loop is not None
+        return _FutureWaiter(loop.create_future())
+
+    async def checkpoint(self) -> None:
+        await asyncio.sleep(0)
+
+    async def suspend(self, waiter: Waiter, seconds: float, abort: Callable[[], None]) -> bool:
+        assert isinstance(waiter, _FutureWaiter)
+        timer = None
+        if seconds != math.inf:
+            loop = self._loop()
+            assert loop is not None
+            timer = loop.call_later(seconds, _expire, waiter.future)
+        try:
+            return await waiter.future
+        finally:
+            if timer is not None:
+                timer.cancel()
+            abort()
 
 
-_asyncio_pollers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncioPoller] = (
+_unattributable: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncioDriver] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _asyncio_poller(loop: asyncio.AbstractEventLoop) -> _AsyncioPoller:
-    poller = _asyncio_pollers.get(loop)
-    if poller is None:
-        poller = _asyncio_pollers[loop] = _AsyncioPoller(loop)
-    return poller
+def _existing_asyncio_suspender(loop: asyncio.AbstractEventLoop) -> _AsyncioDriver | None:
+    driver: _AsyncioDriver | None = getattr(loop, _DRIVER_ATTRIBUTE, None)
+    return driver if driver is not None else _unattributable.get(loop)
 
 
-def _expire(poller: Poller, fence: Fence, waiter: _FutureWaiter, seconds: float) -> None:
-    poller.discard(fence, waiter)
-    if waiter.future.done():
-        return
-    try:
-        _settled_outcome(fence, seconds)
-    except BaseException as error:  # delivered to the waiting task, never to the loop
-        waiter.future.set_exception(error)
-    else:
-        waiter.future.set_result(None)
+def _asyncio_suspender(loop: asyncio.AbstractEventLoop) -> _AsyncioDriver:
+    driver: _AsyncioDriver | None = getattr(loop, _DRIVER_ATTRIBUTE, None)
+    if driver is not None:
+        return driver
+    driver = _unattributable.get(loop)
+    if driver is None:
+        driver = _AsyncioDriver(loop)
+        try:
+            setattr(loop, _DRIVER_ATTRIBUTE, driver)
+        except AttributeError:  # a loop without __dict__: a weak registry instead
+            _unattributable[loop] = driver
+    return driver
 
 
-async def _wait_asyncio(fence: Fence, seconds: float, strategy: Strategy) -> None:
-    loop = _running_asyncio_loop()
-    if fence._poll() != PENDING or seconds == 0:
-        await asyncio.sleep(0)  # a checkpoint, even when there is nothing to wait for
-        _settled_outcome(fence, seconds)
-        return
-    poller = _asyncio_poller(loop)
-    waiter = _FutureWaiter(loop.create_future())
-    timer = None
-    try:
-        # Inside: should add() fail halfway (a thread that cannot start, say),
-        # the waiter is not left registered.
-        poller.add(fence, waiter, strategy)
-        if seconds != math.inf:
-            timer = loop.call_later(seconds, _expire, poller, fence, waiter, seconds)
-        await waiter.future
-    finally:
-        if timer is not None:
-            timer.cancel()
-        poller.discard(fence, waiter)
+# -- trio ------------------------------------------------------------------------------------
 
 
-# -- trio ----------------------------------------------------------------------
+class _TrioChain:
+    """A step run by a system task, which exits whenever the step says stop."""
+
+    __slots__ = ("_due", "_name", "_running", "_scope", "_step")
+
+    def __init__(self, step: Callable[[], float | None], name: str) -> None:
+        self._step = step
+        self._name = name
+        self._running = False
+        self._due = math.inf
+        self._scope: trio.CancelScope | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def ensure(self, delay: float) -> None:
+        import trio
+
+        due = trio.current_time() + max(delay, 0.0)
+        if due < self._due:
+            self._due = due
+            if self._scope is not None:
+                self._scope.deadline = due  # cut the sleep short
+        if not self._running:
+            try:
+                trio.lowlevel.spawn_system_task(self._run, name=self._name)
+            except RuntimeError:
+                # The run is shutting down (its system nursery is closed): no
+                # task can wait any more, and raising here would crash it.
+                self._due = math.inf
+                return
+            self._running = True
+
+    async def _run(self) -> None:
+        import trio
+
+        try:
+            while self._due != math.inf:
+                if self._due > trio.current_time():
+                    with trio.CancelScope(deadline=self._due) as self._scope:
+                        await trio.sleep_forever()
+                    self._scope = None
+                    continue  # the deadline may have moved meanwhile
+                self._due = math.inf
+                try:
+                    delay = self._step()
+                except Exception:  # never into trio: a TrioInternalError ends the run
+                    _logger.exception("asyncfence: a poller step raised; retrying it")
+                    delay = _retry_delay()
+                if delay is not None:
+                    self.ensure(delay)
+                if self._due <= trio.current_time():
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+        finally:
+            self._running = False
+            self._scope = None
 
 
 class _TaskWaiter:
     __slots__ = ("task",)
 
     def __init__(self, task: trio.lowlevel.Task) -> None:
-        self.task = task
+        self.task: trio.lowlevel.Task | None = task
 
     def wake(self, error: BaseException | None) -> None:
         import outcome
         import trio
 
-        result = outcome.Value(None) if error is None else outcome.Error(error)
-        trio.lowlevel.reschedule(self.task, result)
+        task, self.task = self.task, None
+        if task is None:
+            return  # one reschedule per wait, whatever happens
+        result = outcome.Value(True) if error is None else outcome.Error(error)
+        trio.lowlevel.reschedule(task, result)
 
 
-class _TrioPoller(Poller):
-    """Ticks in a system task, which exits whenever nothing is awaited."""
+class _TrioDriver:
+    """trio's primitives, for a poller and for :func:`wait_for_fence`."""
+
+    __slots__ = ("_token", "poller")
 
     def __init__(self) -> None:
         import trio
 
-        super().__init__()
         self._token = trio.lowlevel.current_trio_token()
-        self._running = False
-        self._sleep_scope: trio.CancelScope | None = None
+        self.poller = Poller(self)
 
-    def _is_running(self) -> bool:
-        return self._running
+    # For the poller.
 
-    def _call_soon_threadsafe(self, callback: Callable[[], None]) -> object:
-        self._token.run_sync_soon(callback)  # RunFinishedError once the run is over
-        return None
-
-    def _call_soon(self, callback: Callable[[], None]) -> None:
+    def call_soon(self, callback: Callable[[], None]) -> None:
         try:
-            self._call_soon_threadsafe(callback)
+            self._token.run_sync_soon(_guarded(callback, "a poller callback"))
         except RuntimeError:  # RunFinishedError: the run is over
             callback()
 
-    def _ensure_ticking(self) -> None:
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        self._token.run_sync_soon(_guarded(callback, "a poller callback"))
+
+    def chain(self, step: Callable[[], float | None]) -> _TrioChain:
+        return _TrioChain(step, "asyncfence poller")
+
+    def watch_readable(self, fd: int, callback: Callable[[], None]) -> bool:
         import trio
 
-        if not self._running:
-            try:
-                trio.lowlevel.spawn_system_task(self._run, name="asyncfence poller")
-            except RuntimeError:
-                # The run is shutting down (its system nursery is closed): no
-                # task can wait any more, and raising here would crash it.
-                return
-            self._running = True
-        elif self._sleep_scope is not None:
-            self._sleep_scope.cancel()
+        guarded = _guarded(callback, "the native mailbox's reader")
 
-    async def _run(self) -> None:
+        async def read_forever() -> None:
+            while True:
+                await trio.lowlevel.wait_readable(fd)
+                guarded()
+
+        try:
+            trio.lowlevel.spawn_system_task(read_forever, name="asyncfence mailbox")
+        except RuntimeError:  # the run is shutting down: nothing will wait any more
+            return True
+        return True
+
+    # For wait_for_fence.
+
+    def new_waiter(self) -> _TaskWaiter:
         import trio
 
-        while True:
-            delay = self.tick()
-            if delay is None:
-                self._running = False
-                return
-            if delay == 0:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                continue
-            with trio.CancelScope(deadline=trio.current_time() + delay) as self._sleep_scope:
-                await trio.sleep_forever()
-            self._sleep_scope = None
+        return _TaskWaiter(trio.lowlevel.current_task())
+
+    async def checkpoint(self) -> None:
+        import trio
+
+        await trio.lowlevel.checkpoint()
+
+    async def suspend(self, waiter: Waiter, seconds: float, abort: Callable[[], None]) -> bool:
+        import trio
+
+        def abort_wait(_raise_cancel: Any) -> trio.lowlevel.Abort:
+            abort()
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        with trio.move_on_after(seconds):
+            woken: bool = await trio.lowlevel.wait_task_rescheduled(abort_wait)
+            return woken
+        return False
 
 
-_trio_poller_runvar: trio.lowlevel.RunVar[_TrioPoller] | None = None
+_trio_runvar: trio.lowlevel.RunVar[_TrioDriver] | None = None
 
 
-def _current_trio_poller(*, create: bool) -> _TrioPoller | None:
-    """The running trio run's poller; made on first use when ``create``."""
-    global _trio_poller_runvar
+def _trio_driver(*, create: bool) -> _TrioDriver | None:
+    global _trio_runvar
     import trio
 
-    if _trio_poller_runvar is None:
-        _trio_poller_runvar = trio.lowlevel.RunVar("asyncfence.poller")
+    if _trio_runvar is None:
+        _trio_runvar = trio.lowlevel.RunVar("asyncfence.poller")
     try:
-        return _trio_poller_runvar.get()
+        return _trio_runvar.get()
     except LookupError:
         if not create:
             return None
-        poller = _TrioPoller()
-        _trio_poller_runvar.set(poller)
-        return poller
+        driver = _TrioDriver()
+        _trio_runvar.set(driver)
+        return driver
 
 
-async def _wait_trio(fence: Fence, seconds: float, strategy: Strategy) -> None:
-    import trio
+def _trio_suspender() -> _TrioDriver:
+    driver = _trio_driver(create=True)
+    assert driver is not None
+    return driver
 
-    if fence._poll() != PENDING or seconds == 0:
-        await trio.lowlevel.checkpoint()
-        _settled_outcome(fence, seconds)
-        return
-    poller = _current_trio_poller(create=True)
-    assert poller is not None
-    waiter = _TaskWaiter(trio.lowlevel.current_task())
 
-    def abort(_raise_cancel: object) -> trio.lowlevel.Abort:
-        poller.discard(fence, waiter)
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    with trio.move_on_after(seconds):
-        poller.add(fence, waiter, strategy)
-        await trio.lowlevel.wait_task_rescheduled(abort)
-        return
-    _settled_outcome(fence, seconds)
+def _trio_poller(*, create: bool) -> Poller | None:
+    driver = _trio_driver(create=create)
+    return None if driver is None else driver.poller

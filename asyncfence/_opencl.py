@@ -8,23 +8,19 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import heapq
-import itertools
 import sys
 import threading
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._backend import Marker, QueueInfo
+from ._backend import Marker, NativeSignal, QueueInfo
 from ._exceptions import DeviceError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Hashable
+    from collections.abc import Hashable
 
     import pyopencl as cl
-
-    from ._watcher import NativeSignal
 
 __all__ = ["OpenCLBackend"]
 
@@ -64,6 +60,7 @@ class OpenCLBackend:
     """
 
     name = "opencl"
+    title = "OpenCL"
     accepts = "a pyopencl.CommandQueue"
 
     def __init__(self) -> None:
@@ -75,8 +72,6 @@ class OpenCLBackend:
         self._failed: deque[cl.Event] = deque(maxlen=_FAILED_KEPT)
         self._sweep_at = _GRAVEYARD_MIN_SWEEP
         self._sweep_lock = threading.Lock()
-        self._waiters: dict[Hashable, _QueueWaiter] = {}
-        self._waiters_lock = threading.Lock()
 
     def claims(self, stream: object) -> bool:
         cl = sys.modules.get("pyopencl")
@@ -114,12 +109,12 @@ class OpenCLBackend:
             )
         return status == 0
 
-    def stream_wait(self, marker: Marker, origin: QueueInfo, stream: object) -> None:
+    def check_stream(self, origin: QueueInfo, stream: object) -> None:
         import pyopencl as cl
 
         if not isinstance(stream, cl.CommandQueue):
             raise TypeError(
-                f"an OpenCL fence can only be waited on by {self.accepts}; "
+                f"OpenCL fences can only be waited on by {self.accepts}; "
                 f"got {type(stream).__qualname__} object"
             )
         if stream.context.int_ptr != origin.domain:
@@ -127,6 +122,11 @@ class OpenCLBackend:
                 "an OpenCL queue can only wait for a fence recorded in the same "
                 "context; this queue belongs to another context"
             )
+
+    def stream_wait(self, marker: Marker, origin: QueueInfo, stream: object) -> None:
+        import pyopencl as cl
+
+        assert isinstance(stream, cl.CommandQueue)
         barrier = cl.enqueue_barrier(stream, wait_for=[marker])  # type: ignore[list-item]
         stream.flush()
         # Held until it settles, as markers are (PoCL 3.0 aborts the process
@@ -145,27 +145,18 @@ class OpenCLBackend:
                 "waiting queue may never run its later work",
             )
 
-    def arm(
-        self,
-        marker: Marker,
-        queue: QueueInfo,
-        order: int,
-        notify: Callable[[], None],
-        native: NativeSignal | None,
-    ) -> bool:
-        # OpenCL has no native signal a callback could post, and a Python
-        # callback would run on PoCL's worker thread, stalling the device
-        # while it waits for the GIL. A thread per queue waits natively instead.
-        with self._waiters_lock:
-            waiter = self._waiters.get(queue.key)
-            if waiter is None or not waiter.alive:
-                waiter = self._waiters[queue.key] = _QueueWaiter(self, queue.key)
-        return waiter.watch(marker, order, notify)  # type: ignore[arg-type]
-
-    def _waiter_exited(self, key: Hashable, waiter: _QueueWaiter) -> None:
-        with self._waiters_lock:
-            if self._waiters.get(key) is waiter:
-                del self._waiters[key]
+    def arm(self, marker: Marker, queue: QueueInfo, signal: NativeSignal) -> bool:
+        if not signal.event_callback:
+            return False
+        code = _set_event_callback()(
+            marker.int_ptr,  # type: ignore[attr-defined]
+            _CL_COMPLETE,
+            signal.event_callback,
+            signal.argument,
+        )
+        if code != 0:
+            raise DeviceError(self.name, code, _status_name(code), "clSetEventCallback failed")
+        return True
 
     def release(self, marker: Marker) -> None:
         # Atomic deque operations only: this may run in a finalizer.
@@ -197,10 +188,8 @@ class OpenCLBackend:
         return len(self._graveyard)
 
 
-# A queue's waiter thread exits after this long with nothing to wait for.
-_WAITER_IDLE_S = 2.0
-# How long a waiter pauses when the runtime refuses to wait on a pending event.
-_REFUSED_WAIT_BACKOFF_S = 1e-3
+_CL_COMPLETE = 0
+_set_event_callback_function: Any = None
 
 
 def _opencl_library() -> ctypes.CDLL:
@@ -216,94 +205,16 @@ def _opencl_library() -> ctypes.CDLL:
     raise OSError("no OpenCL library found")
 
 
-_wait_for_events: Any = None
+def _set_event_callback() -> Any:
+    """``clSetEventCallback`` through ctypes, which releases the GIL around it.
 
-
-def _native_wait(marker: cl.Event) -> bool:
-    """``clWaitForEvents`` on one event through ctypes: the GIL is released throughout.
-
-    pyopencl's own ``Event.wait`` raises on a failed event; here a failure just
-    returns, and the caller reads the status.
-
-    Returns:
-        False if the runtime returned at once without waiting, the event
-        still pending.
+    The runtime may call the callback inside this call, on this thread (the
+    event already completed): the callback runs no Python, so that is safe.
     """
-    global _wait_for_events
-    if _wait_for_events is None:
-        function = _opencl_library().clWaitForEvents
+    global _set_event_callback_function
+    if _set_event_callback_function is None:
+        function = _opencl_library().clSetEventCallback
         function.restype = ctypes.c_int32
-        function.argtypes = [ctypes.c_uint32, ctypes.POINTER(ctypes.c_void_p)]
-        _wait_for_events = function
-    handle = ctypes.c_void_p(marker.int_ptr)
-    if _wait_for_events(1, ctypes.byref(handle)) == 0:
-        return True
-    return bool(marker.command_execution_status <= 0)
-
-
-class _QueueWaiter:
-    """One thread per OpenCL queue with parked fences, waiting natively.
-
-    It waits, GIL released, for the oldest marker it was asked to watch; fences
-    on an in-order queue complete in order, so one wait at a time is enough.
-    Then it calls the ``notify`` of every watched marker that has settled
-    (completed or failed) and waits for the next. No Python ever runs on the
-    OpenCL runtime's own threads.
-
-    Thread-safety: :meth:`watch` may be called from any thread.
-    """
-
-    def __init__(self, backend: OpenCLBackend, key: Hashable) -> None:
-        self._backend = backend
-        self._key = key
-        self._condition = threading.Condition()
-        # (record order, tie-break, marker, notify), oldest at the top.
-        self._watched: list[tuple[int, int, cl.Event, Callable[[], None]]] = []
-        self._tie_break = itertools.count()
-        self._thread = threading.Thread(
-            target=self._run, name="asyncfence OpenCL waiter", daemon=True
-        )
-        self._exited = False
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        """Whether the thread still takes work."""
-        with self._condition:
-            return not self._exited and self._thread.is_alive()
-
-    def watch(self, marker: cl.Event, order: int, notify: Callable[[], None]) -> bool:
-        """Call ``notify()`` once ``marker`` settles; False if this waiter has exited."""
-        with self._condition:
-            if self._exited:
-                return False
-            heapq.heappush(self._watched, (order, next(self._tie_break), marker, notify))
-            self._condition.notify()
-        return True
-
-    def _run(self) -> None:
-        while True:
-            with self._condition:
-                if not self._watched:
-                    self._condition.wait(_WAITER_IDLE_S)
-                    if not self._watched:
-                        self._exited = True
-                        break
-                # The oldest completes first on an in-order queue. One armed
-                # later but older waits until this wait returns.
-                oldest = self._watched[0][2]
-            if not _native_wait(oldest):
-                # The runtime refused to wait on a pending event: back off
-                # rather than spin; the watcher's re-check still sees it settle.
-                with self._condition:
-                    self._condition.wait(_REFUSED_WAIT_BACKOFF_S)
-            with self._condition:
-                settled = [e for e in self._watched if e[2].command_execution_status <= 0]
-                if settled:
-                    self._watched = [e for e in self._watched if e[2].command_execution_status > 0]
-                    heapq.heapify(self._watched)
-            for _, _, _, notify in settled:
-                notify()
-        # Outside the condition: OpenCLBackend.arm takes the backend's lock,
-        # then ours (through ``alive``).
-        self._backend._waiter_exited(self._key, self)
+        function.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+        _set_event_callback_function = function
+    return _set_event_callback_function

@@ -1,8 +1,8 @@
 """One poller per event loop: every wait on that loop goes through it.
 
-Written once here; :mod:`asyncfence._loops` drives it on asyncio and on trio.
-It runs only on its loop's thread, except :class:`~asyncfence._watcher.Mailbox`,
-through which other threads hand it settled fences.
+The poller is written once; a small loop driver (:mod:`asyncfence._loops`)
+gives it the loop's primitives. It runs only on its loop's thread; other
+threads reach it only through a mailbox.
 
 Per strategy:
 
@@ -11,32 +11,51 @@ Per strategy:
 * ``auto``: checked on every tick while the spin budget lasts, then parked.
 * ``park``: parked at once, never polled.
 
-A parked fence is the watcher's to watch; its completion arrives through the
-mailbox. The poller stops ticking whenever nothing is left to poll.
+A parked fence costs the loop nothing until it completes. With the native
+shim (the usual case) the loop is the reactor: the device runtime calls the
+shim on its own thread, which writes the loop's mailbox fd, and the loop's own
+selector wakes the poller; no other thread is involved. Only the oldest parked
+fence of an in-order stream needs a signal: the others complete behind it. A
+loop timer re-checks everything parked every ``recheck_interval`` (faults send
+no signal). Without the shim, parked fences go to the fallback watcher thread
+(:mod:`asyncfence._watcher`), which posts settled fences to a thread mailbox.
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
+import logging
+import os
+import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
+from ._backend import NativeSignal
 from ._config import Strategy, current_config
-from ._fence import FAILED, PENDING
+from ._fence import ARMED, FAILED, PENDING, SETTLED, UNSIGNALLED
 from ._fenceset import FenceSet
-from ._watcher import Mailbox, current_watcher
+from ._native import Shim, shim
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Hashable, Iterable
 
     from ._fence import Fence
 
-__all__ = ["Poller", "PollerStatistics", "Waiter"]
+__all__ = ["Chain", "LoopDriver", "Poller", "PollerStatistics", "ThreadMailbox", "Waiter"]
+
+_logger = logging.getLogger("asyncfence.poller")
 
 # First sleep once the spin budget is spent; sleeps double up to the cap.
 _FIRST_SLEEP_S = 50e-6
 # Fences parked per tick at most, yielding to the loop between batches.
 _PARK_BATCH = 128
+# Fired signals taken from the native mailbox per call into the shim.
+_TAKE_BATCH = 256
+
+WakePath = Literal["native", "thread"]
 
 
 class Waiter(Protocol):
@@ -44,6 +63,51 @@ class Waiter(Protocol):
 
     def wake(self, error: BaseException | None) -> None:
         """Resume the wait, raising ``error`` in it if given. Never raises."""
+        ...
+
+
+class Chain(Protocol):
+    """A callback that reschedules itself on the loop: the poller's ticks and re-checks.
+
+    The driver calls ``step()``; it returns the seconds until the next call (0:
+    as soon as the loop has run what is ready), or ``None`` to stop.
+    """
+
+    @property
+    def running(self) -> bool:
+        """Whether a call of ``step`` is scheduled."""
+        ...
+
+    def ensure(self, delay: float) -> None:
+        """Have ``step`` called within ``delay`` seconds (sooner if already due)."""
+        ...
+
+
+class LoopDriver(Protocol):
+    """What the poller needs of an event loop; one small class per loop library."""
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop soon (loop thread). On a loop that is gone, now."""
+        ...
+
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop soon, from any thread.
+
+        Raises:
+            RuntimeError: The loop is closed, or its run finished.
+        """
+        ...
+
+    def chain(self, step: Callable[[], float | None]) -> Chain:
+        """A chain that calls ``step`` on the loop (see :class:`Chain`)."""
+        ...
+
+    def watch_readable(self, fd: int, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` on the loop whenever ``fd`` is readable, for the loop's life.
+
+        Returns:
+            False if this loop cannot watch file descriptors.
+        """
         ...
 
 
@@ -55,10 +119,21 @@ class PollerStatistics:
         pending_fences: Fences that at least one task on this loop awaits.
         waiters: Tasks waiting on them.
         queues: Streams or queues of the fences being polled.
-        parked: Fences handed to the watcher rather than polled.
+        parked: Fences parked rather than polled.
         ticks: Checks made since the poller was created.
         queries: Device queries its ticks made.
+        tick_seconds: Time spent in those ticks, in seconds.
         running: Whether the poller is scheduled to tick again.
+        wake_path: How parked waits on this loop are woken: ``"native"`` (the
+            shim writes the loop's own mailbox fd; no thread involved) or
+            ``"thread"`` (the fallback watcher thread).
+        armed: Parked fences whose completion signal is armed.
+        signals: Completion signals received.
+        rechecks: Periodic re-checks of the parked fences.
+        cuda_signal: How parked CUDA fences are signalled: ``"v2"``
+            (``cuLaunchHostFunc_v2``), ``"v1"`` (the driver's raw
+            ``cuLaunchHostFunc``), ``"polling"`` (neither exists), or
+            ``None`` before the first CUDA fence parked.
     """
 
     pending_fences: int = 0
@@ -67,13 +142,339 @@ class PollerStatistics:
     parked: int = 0
     ticks: int = 0
     queries: int = 0
+    tick_seconds: float = 0.0
     running: bool = False
+    wake_path: WakePath = "native"
+    armed: int = 0
+    signals: int = 0
+    rechecks: int = 0
+    cuda_signal: Literal["v2", "v1", "polling"] | None = None
+
+
+def _cuda_signal() -> Literal["v2", "v1", "polling"] | None:
+    import sys
+
+    cuda = sys.modules.get("asyncfence._cuda")
+    if cuda is None:
+        return None
+    from ._backend import backend_for
+
+    try:
+        path = backend_for(0).host_function_path()  # type: ignore[attr-defined]
+    except (TypeError, AttributeError):
+        return None
+    if path is None:
+        return None
+    return "polling" if path == "none" else path  # type: ignore[no-any-return]
+
+
+# -- mailboxes: how completions reach a loop -------------------------------------------
+
+
+class NativeMailbox:
+    """A loop's mailbox in the shim: a fd its selector watches, and the signals that fired.
+
+    Thread-safety: the shim's signals may fire on any thread; every method
+    here belongs to the loop's thread.
+    """
+
+    def __init__(self, native: Shim) -> None:
+        self._shim = native
+        self._library = native.library
+        self._pid = os.getpid()
+        handle = self._library.af_mailbox_new()
+        if not handle:
+            raise OSError(ctypes.get_errno(), "cannot create the native mailbox")
+        self._handle: int = handle
+        self._tokens = (ctypes.c_uint64 * _TAKE_BATCH)()
+        # Closed with its poller: the shim keeps the fd open while any
+        # signal can still fire, so a late write never lands elsewhere.
+        self._finalizer = weakref.finalize(self, self._library.af_mailbox_close, handle)
+
+    def fileno(self) -> int:
+        """The fd that turns readable when a signal fired."""
+        return int(self._library.af_mailbox_fd(self._handle))
+
+    def signal(self, token: int) -> tuple[NativeSignal, int]:
+        """A signal that posts ``token`` here, and its slot (to discard if unused).
+
+        Raises:
+            MemoryError: The shim could not allocate the slot.
+        """
+        slot = self._library.af_slot_new(self._handle, token)
+        if not slot:
+            raise MemoryError("the native shim could not allocate a signal slot")
+        return NativeSignal(self._shim.fire, self._shim.opencl_callback, slot), slot
+
+    def discard(self, slot: int) -> None:
+        """Free a slot whose signal was never armed."""
+        self._library.af_slot_discard(slot)
+
+    def take(self) -> list[int]:
+        """The tokens of the signals fired since the last call: the fd first, then the list."""
+        if os.getpid() != self._pid:
+            return []  # a forked child: the parent's mailbox is not ours
+        taken: list[int] = []
+        while True:
+            count = self._library.af_mailbox_take(self._handle, self._tokens, _TAKE_BATCH)
+            taken.extend(self._tokens[:count])
+            if count < _TAKE_BATCH:
+                return taken
+
+
+class ThreadMailbox:
+    """Where the fallback watcher thread posts settled fences for one event loop.
+
+    Posts from any thread are coalesced: one call onto the loop delivers all
+    that arrived meanwhile.
+
+    Thread-safety: :meth:`post` may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        call_soon_threadsafe: Callable[[Callable[[], None]], object],
+        deliver: Callable[[list[Fence]], None],
+    ) -> None:
+        self._call_soon_threadsafe = call_soon_threadsafe
+        self._deliver = deliver
+        self._lock = threading.Lock()
+        self._fences: list[Fence] = []
+        self._scheduled = False
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether the loop is gone (a post found it closed)."""
+        return self._closed
+
+    def post(self, fences: list[Fence]) -> bool:
+        """Hand ``fences`` to the loop. Never raises.
+
+        Returns:
+            False if the loop is gone (closed, or its run finished).
+        """
+        with self._lock:
+            if self._closed:
+                return False
+            self._fences.extend(fences)
+            if self._scheduled:
+                return True
+            self._scheduled = True
+        try:
+            self._call_soon_threadsafe(self._drain)
+        except RuntimeError:  # a closed asyncio loop; trio's RunFinishedError
+            with self._lock:
+                self._closed = True
+                self._fences.clear()
+            return False
+        return True
+
+    def _drain(self) -> None:
+        with self._lock:
+            fences, self._fences = self._fences, []
+            self._scheduled = False
+        self._deliver(fences)
+
+
+# -- parking: how parked fences are watched ------------------------------------------------
+
+
+class _NativeParking:
+    """A loop's parked fences, signalled through its native mailbox. Loop thread only."""
+
+    wake_path: WakePath = "native"
+
+    def __init__(self, poller: Poller, native: Shim, driver: LoopDriver) -> None:
+        self._poller = poller
+        self._driver = driver
+        self._mailbox = NativeMailbox(native)
+        self._parked = FenceSet()
+        # Fences whose signal could not be armed: polled every poll_cap.
+        self._unsignalled: set[Fence] = set()
+        # Armed signals not yet fired, both ways. Weak: a fence whose waiters
+        # left is never kept alive by its signal; re-parked, it reuses it.
+        self._token_of: weakref.WeakKeyDictionary[Fence, int] = weakref.WeakKeyDictionary()
+        self._fence_of: dict[int, weakref.ref[Fence]] = {}
+        self._tokens = itertools.count(1)
+        self._rearm_scheduled = False
+        self._recheck = driver.chain(self._recheck_step)
+        self.signals = 0
+        self.rechecks = 0
+        if not driver.watch_readable(self._mailbox.fileno(), self._on_readable):
+            raise OSError("this event loop cannot watch file descriptors")
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    @property
+    def armed(self) -> int:
+        """Parked fences with an armed signal."""
+        return sum(1 for fence in self._token_of if fence in self._parked)
+
+    def park(self, fence: Fence) -> None:
+        if not self._parked.add(fence):
+            return
+        self._arm([fence])
+        self._recheck.ensure(self._recheck_delay())
+        # Armed first, checked second: a completion in between is never lost.
+        # Handled on the next loop turn: the waiter may not be suspended yet.
+        if fence._state != PENDING or self._settled_now(fence):
+            self._driver.call_soon(lambda: self._sweep([fence._queue.key]))
+
+    @staticmethod
+    def _settled_now(fence: Fence) -> bool:
+        try:
+            return fence._poll() != PENDING
+        except Exception:  # the sweep will hand it to the waiters
+            return True
+
+    def unpark(self, fence: Fence) -> None:
+        if fence not in self._parked:
+            return
+        was_head = self._parked.needs_own_signal(fence)
+        self._parked.discard(fence)
+        self._unsignalled.discard(fence)
+        if was_head and not self._rearm_scheduled:
+            # Batched: when many waits are cancelled at once, one pass arms
+            # the new oldest fence of each stream.
+            self._rearm_scheduled = True
+            self._driver.call_soon(self._rearm)
+
+    def _rearm(self) -> None:
+        self._rearm_scheduled = False
+        self._arm(self._parked.heads())
+
+    def _arm(self, candidates: Iterable[Fence]) -> None:
+        """Arm a signal for each candidate that needs one and has none."""
+        for fence in candidates:
+            if (
+                fence in self._token_of
+                or fence in self._unsignalled
+                or not self._parked.needs_own_signal(fence)
+            ):
+                continue
+            if not self._arm_one(fence):
+                self._unsignalled.add(fence)
+                self._recheck.ensure(current_config().poll_cap)
+
+    def _arm_one(self, fence: Fence) -> bool:
+        """Arm ``fence``'s signal; False if it must be polled instead."""
+        token = next(self._tokens)
+        try:
+            signal, slot = self._mailbox.signal(token)
+        except MemoryError:
+            return False
+        try:
+            outcome = fence._arm(signal)
+        except Exception as error:  # a faulted CUDA context, say: polling sees the fault
+            _logger.debug("arming %r failed (%s); polling it", fence, error)
+            outcome = UNSIGNALLED
+        if outcome != ARMED:
+            self._mailbox.discard(slot)
+            return outcome == SETTLED  # settled: the post-park check sweeps it
+        self._token_of[fence] = token
+        self._fence_of[token] = weakref.ref(fence, lambda _, t=token: self._fence_of.pop(t, None))
+        return True
+
+    def _on_readable(self) -> None:
+        """The mailbox fd is readable: some signals fired."""
+        keys: set[Hashable] = set()
+        for token in self._mailbox.take():
+            ref = self._fence_of.pop(token, None)
+            fence = ref() if ref is not None else None
+            if fence is None:
+                continue  # its waiters left and it is gone: harmless
+            self._token_of.pop(fence, None)
+            self.signals += 1
+            if fence in self._parked:
+                keys.add(fence._queue.key)
+        if keys:
+            self._sweep(keys)
+
+    def _sweep(self, keys: Iterable[Hashable] | None) -> None:
+        """Query the parked fences of ``keys`` (every queue if ``None``) and wake the settled."""
+        selected = None if keys is None else set(keys)
+        self._parked.sweep(self._poller._parked_settled, selected)
+        self._arm(self._parked.heads(selected))
+
+    def _recheck_delay(self) -> float:
+        config = current_config()
+        return config.poll_cap if self._unsignalled else config.recheck_interval
+
+    def _recheck_step(self) -> float | None:
+        if not self._parked:
+            return None
+        self.rechecks += 1
+        self._sweep(None)
+        return self._recheck_delay() if self._parked else None
+
+
+class _ThreadParking:
+    """A loop's parked fences, handed to the fallback watcher thread. Loop thread only."""
+
+    wake_path: WakePath = "thread"
+
+    def __init__(self, poller: Poller, driver: LoopDriver) -> None:
+        from ._watcher import current_watcher
+
+        self._current_watcher = current_watcher
+        self._driver = driver
+        self._mailbox = ThreadMailbox(driver.call_soon_threadsafe, poller.deliver)
+        self._parked: set[Fence] = set()
+        self._unpark_soon: set[Fence] = set()
+        self.signals = 0
+        self.rechecks = 0
+        self.armed = 0
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def park(self, fence: Fence) -> None:
+        if fence in self._parked:
+            return
+        if fence in self._unpark_soon:  # still parked with the watcher, signal armed
+            self._unpark_soon.discard(fence)
+            self._parked.add(fence)
+            return
+        self._current_watcher().park(fence, self._mailbox)  # may raise: nothing parked
+        self._parked.add(fence)
+        # Armed first, checked second; through the mailbox, never synchronously.
+        try:
+            settled = fence._poll() != PENDING
+        except Exception:  # deliver() will hand it to the waiters
+            settled = True
+        if settled:
+            self._mailbox.post([fence])
+
+    def unpark(self, fence: Fence) -> None:
+        if fence not in self._parked:
+            return
+        self._parked.discard(fence)
+        # Batched, and after the woken tasks have run: off the wake path.
+        first = not self._unpark_soon
+        self._unpark_soon.add(fence)
+        if first:
+            self._driver.call_soon(self._flush_unparks)
+
+    def _flush_unparks(self) -> None:
+        fences, self._unpark_soon = self._unpark_soon, set()
+        watcher = self._current_watcher()
+        for fence in fences:
+            watcher.unpark(fence, self._mailbox)
+
+
+# -- the poller --------------------------------------------------------------------------------
 
 
 class Poller:
-    """The waits of one event loop. Subclasses schedule :meth:`tick` on it."""
+    """The waits of one event loop, on the primitives its driver gives.
 
-    def __init__(self) -> None:
+    Thread-safety: loop thread only.
+    """
+
+    def __init__(self, driver: LoopDriver) -> None:
+        self._driver = driver
         self._waiters: dict[Fence, dict[Waiter, Strategy]] = {}
         self._waiter_count = 0
         # Fences with at least one "poll" waiter: polled for as long as they wait.
@@ -81,42 +482,51 @@ class Poller:
         # Polled fences only "auto" waits want: parked once the spin budget is spent.
         self._auto_only: set[Fence] = set()
         self._polled = FenceSet()
-        self._parked: set[Fence] = set()
-        self._unpark_soon: set[Fence] = set()
-        self._mailbox = Mailbox(self._call_soon_threadsafe, self.deliver)
+        self._parking: _NativeParking | _ThreadParking | None = None
+        self._ticks_chain = driver.chain(self.tick)
         self._spin_until = 0.0
         self._next_sleep = _FIRST_SLEEP_S
         self._ticks = 0
         self._queries = 0
+        self._tick_seconds = 0.0
 
-    # -- for the loop drivers ---------------------------------------------------
+    # -- for the drivers and the drop queue ------------------------------------------------
 
-    def _ensure_ticking(self) -> None:
-        """Schedule a tick now if none is scheduled, or cut a sleep short."""
-        raise NotImplementedError
+    @property
+    def driver(self) -> LoopDriver:
+        """The loop's driver."""
+        return self._driver
 
-    def _is_running(self) -> bool:
-        raise NotImplementedError
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop soon (loop thread); now if the loop is gone."""
+        self._driver.call_soon(callback)
 
-    def _call_soon_threadsafe(self, callback: Callable[[], None]) -> object:
-        """Run ``callback`` on the loop soon; callable from any thread."""
-        raise NotImplementedError
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop soon, from any thread.
 
-    def _call_soon(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` on the loop soon, after what is already scheduled (loop thread).
-
-        On a loop that is gone, run it now instead: never raise, never drop it.
+        Raises:
+            RuntimeError: The loop is closed, or its run finished.
         """
-        raise NotImplementedError
+        self._driver.call_soon_threadsafe(callback)
 
-    # -- waits -------------------------------------------------------------------
+    # -- waits -------------------------------------------------------------------------------
 
     def add(self, fence: Fence, waiter: Waiter, strategy: Strategy) -> None:
-        """Register ``waiter`` to be woken once ``fence`` settles."""
-        self._waiters.setdefault(fence, {})[waiter] = strategy
+        """Register ``waiter`` to be woken once ``fence`` settles.
+
+        Raises:
+            Exception: Parking failed (a thread that cannot start, say);
+                ``waiter`` is not registered.
+        """
+        waiters = self._waiters.setdefault(fence, {})
+        waiters[waiter] = strategy
         self._waiter_count += 1
         if strategy == "park":
-            self._park(fence)
+            try:
+                self._park(fence)
+            except BaseException:
+                self.discard(fence, waiter)
+                raise
             return
         if strategy == "poll":
             self._eager[fence] = self._eager.get(fence, 0) + 1
@@ -127,7 +537,7 @@ class Poller:
         # A new wait buys a fresh spin budget: short work is seen at once.
         self._spin_until = time.perf_counter() + current_config().spin_budget
         self._next_sleep = _FIRST_SLEEP_S
-        self._ensure_ticking()
+        self._ticks_chain.ensure(0.0)
 
     def discard(self, fence: Fence, waiter: Waiter) -> None:
         """Forget ``waiter`` (cancelled or timed out); a no-op if already woken."""
@@ -155,37 +565,31 @@ class Poller:
         self._eager.pop(fence, None)
         self._auto_only.discard(fence)
         self._polled.discard(fence)
-        if fence in self._parked:
-            self._parked.discard(fence)
-            # Batched, and after the woken tasks have run: off the wake path.
-            first = not self._unpark_soon
-            self._unpark_soon.add(fence)
-            if first:
-                self._call_soon(self._flush_unparks)
-
-    def _flush_unparks(self) -> None:
-        watcher = current_watcher()
-        for fence in self._unpark_soon:
-            watcher.unpark(fence, self._mailbox)
-        self._unpark_soon.clear()
+        if self._parking is not None:
+            self._parking.unpark(fence)
 
     def _park(self, fence: Fence) -> None:
-        if fence in self._parked:
-            return
-        self._parked.add(fence)
-        if fence in self._unpark_soon:  # still parked with the watcher, signal armed
-            self._unpark_soon.discard(fence)
-            return
-        current_watcher().park(fence, self._mailbox)
-        # Armed first, checked second: a completion in between is never lost.
-        # Through the mailbox, never synchronously: the waiter may not be
-        # suspended yet.
-        try:
-            settled = fence._poll() != PENDING
-        except Exception:  # deliver() will hand it to the waiters
-            settled = True
-        if settled:
-            self._mailbox.post([fence])
+        parking = self._parking
+        if parking is None:
+            parking = self._parking = self._new_parking()
+        parking.park(fence)
+
+    def _new_parking(self) -> _NativeParking | _ThreadParking:
+        native = shim()
+        if native is not None:
+            try:
+                parking: _NativeParking | _ThreadParking = _NativeParking(
+                    self, native, self._driver
+                )
+            except OSError as error:
+                _logger.warning(
+                    "native wake path unavailable on this loop (%s); using a thread", error
+                )
+            else:
+                _logger.debug("parked waits on this loop wake natively")
+                return parking
+        _logger.debug("parked waits on this loop wake through the watcher thread")
+        return _ThreadParking(self, self._driver)
 
     def tick(self) -> float | None:
         """Check the polled fences once and wake the waiters of those settled.
@@ -194,18 +598,28 @@ class Poller:
             Seconds until the next tick (0 to yield and check again at once),
             or ``None`` when nothing is left to poll and the poller should stop.
         """
-        self._ticks += 1
+        started = time.perf_counter()
+        try:
+            return self._tick(started)
+        finally:
+            self._ticks += 1
+            self._tick_seconds += time.perf_counter() - started
+
+    def _tick(self, now: float) -> float | None:
         self._queries += self._polled.sweep(self._wake_all)
         if not self._polled:
             return None
-        if time.perf_counter() < self._spin_until:
+        if now < self._spin_until:
             return 0.0
         # The spin budget is spent: what only "auto" waits want is parked, a
         # batch a tick, so that parking thousands never stalls the loop.
         for _ in range(min(len(self._auto_only), _PARK_BATCH)):
             fence = self._auto_only.pop()
             self._polled.discard(fence)
-            self._park(fence)
+            try:
+                self._park(fence)
+            except Exception as error:  # no way to park: its waiters get the error
+                self._wake_all(fence, error)
         if self._auto_only:
             return 0.0
         if not self._polled:
@@ -228,24 +642,48 @@ class Poller:
             else:
                 self._wake_all(fence, None)
 
+    def _parked_settled(self, fence: Fence, unexpected: Exception | None) -> None:
+        """A parked fence found settled (the native path's sweeps)."""
+        if fence in self._waiters:
+            self._wake_all(fence, unexpected)
+
     def _wake_all(self, fence: Fence, unexpected: Exception | None) -> None:
-        waiters = self._waiters.get(fence)
-        if waiters:
-            # Woken first: their tasks are scheduled ahead of the bookkeeping.
-            self._waiter_count -= len(waiters)
-            failed = fence._state == FAILED
-            for waiter in waiters:
-                waiter.wake(unexpected or (fence._error() if failed else None))
+        waiters = self._waiters.pop(fence, None)
         self._forget(fence)
+        if not waiters:
+            return
+        self._waiter_count -= len(waiters)
+        failed = fence._state == FAILED
+        surfaced: BaseException | None = None
+        for waiter in waiters:
+            try:
+                waiter.wake(unexpected or (fence._error() if failed else None))
+            except (KeyboardInterrupt, SystemExit) as error:
+                surfaced = surfaced or error  # after the others are woken
+            except BaseException:  # a waker must not raise; the others go on
+                _logger.exception("waking a waiter of %r raised; the others are woken", fence)
+        if surfaced is not None:
+            raise surfaced
 
     def statistics(self) -> PollerStatistics:
         """Return a snapshot of this loop's waits and counters."""
+        parking = self._parking
         return PollerStatistics(
             pending_fences=len(self._waiters),
             waiters=self._waiter_count,
             queues=self._polled.queue_count,
-            parked=len(self._parked),
+            parked=0 if parking is None else len(parking),
             ticks=self._ticks,
             queries=self._queries,
-            running=self._is_running(),
+            tick_seconds=self._tick_seconds,
+            running=self._ticks_chain.running,
+            wake_path=(
+                parking.wake_path
+                if parking is not None
+                else ("native" if shim() is not None else "thread")
+            ),
+            armed=0 if parking is None else parking.armed,
+            signals=0 if parking is None else parking.signals,
+            rechecks=0 if parking is None else parking.rechecks,
+            cuda_signal=_cuda_signal(),
         )

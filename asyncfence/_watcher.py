@@ -1,21 +1,21 @@
-"""Parked waits: completion signals, one watcher thread, coalesced wakes per loop.
+"""The thread-based fallback for parked waits, where the native shim is missing.
 
-A parked fence costs its loop nothing until it completes:
+With the shim (:mod:`asyncfence._native`), each loop's poller watches its own
+mailbox and no thread is involved. Without it (no C compiler at install, or
+``ASYNCFENCE_NATIVE=0``), parked fences go to this module's one watcher thread:
 
-* **CUDA**: a host function launched with ``cuLaunchHostFunc_v2`` (no Python,
-  no GIL) posts a POSIX semaphore with libc's own ``sem_post``. It runs on a
-  side stream that first waits for the fence's event, so the user's stream is
-  never held by the signal, and one slow stream never delays another's.
-* **OpenCL**: the event's completion callback (on a PoCL thread) posts the
-  fence straight to the loops' mailboxes; that is all it does.
+* **CUDA**: a host function that is libc's own ``sem_post`` posts a POSIX
+  semaphore (no Python, no GIL), on a side stream that first waits for the
+  fence's event. The watcher sleeps on the semaphore.
+* **OpenCL**: libc has no function an event callback could be, so the watcher
+  polls parked OpenCL fences every ``poll_cap``.
 
-One watcher thread per process sleeps on the semaphore. Woken, it queries the
-parked fences that can have completed and posts the settled ones to their
-loops, one ``call_soon_threadsafe`` (or ``run_sync_soon``) per loop per batch.
-It also wakes every ``recheck_interval`` to query everything parked: host
-functions never run after a CUDA context fault, and PoCL never calls back for a
-failed event, so without the re-check a parked waiter could hang forever. It
-starts on first use and exits when nothing has been parked for a while.
+Woken, the watcher queries the parked fences that can have completed and posts
+the settled ones to their loops, one ``call_soon_threadsafe`` (or
+``run_sync_soon``) per loop per batch. It also re-queries everything parked
+every ``recheck_interval``: host functions never run after a CUDA context
+fault. It starts on the first park and exits once nothing has been parked for
+a while. This is the only module that starts a thread.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ import logging
 import os
 import threading
 import time
-import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from ._backend import NativeSignal
 from ._config import current_config
+from ._fence import ARMED, SETTLED
 from ._fenceset import FenceSet
 
 if TYPE_CHECKING:
@@ -40,38 +41,41 @@ if TYPE_CHECKING:
 
     from ._fence import Fence
 
-__all__ = ["Mailbox", "NativeSignal", "WatcherStatistics", "current_watcher"]
+__all__ = ["Target", "Watcher", "WatcherStatistics", "current_watcher", "watcher_statistics"]
 
 # The watcher thread exits after this long with nothing parked.
-IDLE_EXIT_S = 2.0
+_IDLE_EXIT_S = 2.0
 # The longest the watcher sleeps at once, whatever the configured intervals.
 _LONGEST_SLEEP_S = 3600.0
 
 _logger = logging.getLogger("asyncfence.watcher")
 
 
-@dataclass(frozen=True, slots=True)
-class NativeSignal:
-    """A C function and its argument that wake the watcher, calling no Python.
+class Target(Protocol):
+    """Where the watcher posts one loop's settled fences (its poller's mailbox)."""
 
-    Attributes:
-        function: Address of a ``void f(void *)``-compatible C function.
-        argument: The pointer to pass it.
-    """
+    @property
+    def closed(self) -> bool:
+        """Whether the loop is gone; the watcher then forgets it."""
+        ...
 
-    function: int
-    argument: int
+    def post(self, fences: list[Fence]) -> bool:
+        """Hand ``fences`` to the loop from this thread; False if it is gone. Never raises."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
 class WatcherStatistics:
-    """A snapshot of the process's watcher.
+    """A snapshot of the process's fallback watcher thread.
+
+    With the native wake path in use it stays idle: all zeros.
 
     Attributes:
         running: Whether the watcher thread is alive.
-        parked: Fences parked, across loops.
-        unsignalled: Parked fences without a completion signal, which the
-            watcher polls instead (a CUDA driver without ``cuLaunchHostFunc_v2``).
+        parked: Fences parked with it, across loops.
+        unsignalled: Of those, fences without a completion signal, which it
+            polls every ``poll_cap`` (OpenCL fences; CUDA where the driver
+            has no host functions).
         wakeups: Times the thread woke (signals and re-checks).
         posts: Batches posted to loops.
     """
@@ -107,8 +111,9 @@ class _Semaphore:
         if not self.address or libc.sem_init(self.address, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "sem_init failed")
         self._libc = libc
-        self.native = NativeSignal(
-            function=ctypes.cast(libc.sem_post, ctypes.c_void_p).value or 0,
+        self.signal: NativeSignal | None = NativeSignal(
+            host_function=ctypes.cast(libc.sem_post, ctypes.c_void_p).value or 0,
+            event_callback=0,  # no libc function has an event callback's signature
             argument=self.address,
         )
 
@@ -134,9 +139,9 @@ class _Semaphore:
 
 
 class _PythonSemaphore:
-    """Where POSIX semaphores are missing: no native signal, so CUDA waits poll."""
+    """Where POSIX semaphores are missing: no native signal, so every parked fence is polled."""
 
-    native: NativeSignal | None = None
+    signal: NativeSignal | None = None
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -158,56 +163,6 @@ def _make_semaphore() -> _Semaphore | _PythonSemaphore:
         return _PythonSemaphore()
 
 
-class Mailbox:
-    """Where the watcher and callbacks post settled fences for one event loop.
-
-    Posts from any thread are coalesced: one call onto the loop drains all
-    that arrived meanwhile.
-
-    Thread-safety: :meth:`post` may be called from any thread.
-    """
-
-    def __init__(
-        self,
-        call_soon_threadsafe: Callable[[Callable[[], None]], object],
-        deliver: Callable[[list[Fence]], None],
-    ) -> None:
-        self._call_soon_threadsafe = call_soon_threadsafe
-        self._deliver = deliver
-        self._lock = threading.Lock()
-        self._fences: list[Fence] = []
-        self._scheduled = False
-        self.closed = False
-
-    def post(self, fences: list[Fence]) -> bool:
-        """Hand ``fences`` to the loop. Never raises.
-
-        Returns:
-            False if the loop is gone (closed, or its run finished).
-        """
-        with self._lock:
-            if self.closed:
-                return False
-            self._fences.extend(fences)
-            if self._scheduled:
-                return True
-            self._scheduled = True
-        try:
-            self._call_soon_threadsafe(self._drain)
-        except RuntimeError:  # a closed asyncio loop; trio's RunFinishedError
-            with self._lock:
-                self.closed = True
-                self._fences.clear()
-            return False
-        return True
-
-    def _drain(self) -> None:
-        with self._lock:
-            fences, self._fences = self._fences, []
-            self._scheduled = False
-        self._deliver(fences)
-
-
 class Watcher:
     """The process's parked fences, and the thread that watches them.
 
@@ -217,10 +172,8 @@ class Watcher:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._parked = FenceSet()
-        # Immutable tuples, replaced under the lock, so completion callbacks
-        # read them without it (a callback may run inside Fence._arm).
-        self._targets: dict[Fence, tuple[Mailbox, ...]] = {}
-        self._saw_closed_mailbox = False
+        self._targets: dict[Fence, tuple[Target, ...]] = {}
+        self._saw_closed_target = False
         self._unsignalled: set[Fence] = set()
         self._armed: set[Fence] = set()
         self._semaphore = _make_semaphore()
@@ -229,27 +182,34 @@ class Watcher:
         self._wakeups = 0
         self._posts = 0
 
-    def park(self, fence: Fence, mailbox: Mailbox) -> None:
-        """Watch ``fence`` for ``mailbox``'s loop, arming its signal if new.
+    def park(self, fence: Fence, target: Target) -> None:
+        """Watch ``fence`` for ``target``'s loop, arming its signal if new.
 
         The caller re-checks the fence after this returns, so a completion
         before the signal was armed is never lost.
+
+        Raises:
+            RuntimeError: The watcher thread could not be started; the fence
+                is not parked.
         """
         with self._lock:
             targets = self._targets.get(fence, ())
-            if mailbox not in targets:
-                self._targets[fence] = (*targets, mailbox)
+            if target not in targets:
+                self._targets[fence] = (*targets, target)
             new = self._parked.add(fence)
             to_arm = self._claim_signals([fence, self._parked.head(fence)]) if new else []
             if self._thread is not None and not self._thread.is_alive():
                 _logger.error("asyncfence watcher thread found dead; restarting it")
                 self._thread = None
             if self._thread is None:
+                thread = threading.Thread(target=self._run, name="asyncfence watcher", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:
+                    self._remove_target(fence, lambda known: known is target)
+                    raise
                 self._stopping = False
-                self._thread = threading.Thread(
-                    target=self._run, name="asyncfence watcher", daemon=True
-                )
-                self._thread.start()
+                self._thread = thread
         self._arm(to_arm)
 
     def _claim_signals(self, candidates: Iterable[Fence | None]) -> list[Fence]:
@@ -264,6 +224,7 @@ class Watcher:
             if (
                 fence is not None
                 and fence not in self._armed
+                and fence not in self._unsignalled
                 and self._parked.needs_own_signal(fence)
             ):
                 self._armed.add(fence)
@@ -271,24 +232,33 @@ class Watcher:
         return claimed
 
     def _arm(self, fences: list[Fence]) -> None:
-        """Arm each fence's completion signal (never under the lock: it may call back)."""
+        """Arm each fence's completion signal (never under the lock)."""
+        signal = self._semaphore.signal
         for fence in fences:
-            notify = functools.partial(self._notify, weakref.ref(fence))
-            if not fence._arm(notify, self._semaphore.native):
+            outcome = None
+            if signal is not None:
+                try:
+                    outcome = fence._arm(signal)
+                except Exception as error:  # a faulted context: polling sees the fault
+                    _logger.debug("arming %r failed (%s); polling it", fence, error)
+            if outcome == ARMED:
+                continue
+            if outcome != SETTLED:
                 with self._lock:
                     if fence in self._parked:
+                        self._armed.discard(fence)
                         self._unsignalled.add(fence)
-                self._semaphore.post()  # re-plan the wait: unsignalled fences are polled
+            self._semaphore.post()  # re-plan the wait: sweep now, poll what has no signal
 
-    def unpark(self, fence: Fence, mailbox: Mailbox) -> None:
-        """Stop watching ``fence`` for ``mailbox``'s loop."""
+    def unpark(self, fence: Fence, target: Target) -> None:
+        """Stop watching ``fence`` for ``target``'s loop."""
         with self._lock:
             head = self._parked.head(fence)
-            self._remove_target(fence, lambda target: target is mailbox)
+            self._remove_target(fence, lambda known: known is target)
             to_arm = self._claim_signals([self._parked.head(head)] if head is fence else [])
         self._arm(to_arm)
 
-    def _remove_target(self, fence: Fence, drop: Callable[[Mailbox], bool]) -> None:
+    def _remove_target(self, fence: Fence, drop: Callable[[Target], bool]) -> None:
         """Under the lock: drop some of a fence's loops, and the fence with the last."""
         targets = tuple(target for target in self._targets.get(fence, ()) if not drop(target))
         if targets:
@@ -299,28 +269,9 @@ class Watcher:
         self._unsignalled.discard(fence)
         self._armed.discard(fence)
 
-    def _notify(self, fence_ref: weakref.ref[Fence], *_: object) -> None:
-        """A completion callback: post the fence to its loops, nothing more.
-
-        Takes no lock but the mailboxes': it may run inside ``Fence._arm``.
-        """
-        fence = fence_ref()
-        if fence is None:
-            return
-        # Others parked behind it: the watcher sweeps them in one go. (A racy
-        # read; were a post missed, the loop's unpark of this fence arms the
-        # next oldest all the same.)
-        sweep = self._parked.on_queue_of(fence) > 1
-        for mailbox in self._targets.get(fence, ()):
-            if not mailbox.post([fence]):
-                self._saw_closed_mailbox = True  # the watcher drops it
-                sweep = True
-        if sweep:
-            self._semaphore.post()
-
-    def _drop_closed_mailboxes(self) -> None:
+    def _drop_closed_targets(self) -> None:
         """Under the lock: forget loops that are gone; other loops are unaffected."""
-        self._saw_closed_mailbox = False
+        self._saw_closed_target = False
         for fence in list(self._targets):
             self._remove_target(fence, lambda target: target.closed)
 
@@ -331,7 +282,6 @@ class Watcher:
             _logger.exception("asyncfence watcher thread failed; restarting on next park")
             with self._lock:
                 self._thread = None
-            self._semaphore.post()
             raise
 
     def _watch(self) -> None:
@@ -342,15 +292,15 @@ class Watcher:
             # Bounded: a sleep past what the OS timers can represent returns at once.
             self._semaphore.wait(min(timeout, _LONGEST_SLEEP_S))
             self._semaphore.drain()
-            settled: dict[Mailbox, list[Fence]] = {}
+            settled: dict[Target, list[Fence]] = {}
             collect = functools.partial(self._collect, settled)
             with self._lock:
                 self._wakeups += 1
                 if self._stopping:
                     self._thread = None
                     return
-                if self._saw_closed_mailbox:
-                    self._drop_closed_mailboxes()
+                if self._saw_closed_target:
+                    self._drop_closed_targets()
                 self._parked.sweep(collect)
                 to_arm = self._claim_signals(self._parked.heads())
                 now = time.monotonic()
@@ -358,26 +308,29 @@ class Watcher:
                     idle_since = None
                 elif idle_since is None:
                     idle_since = now
-                exiting = idle_since is not None and now - idle_since > IDLE_EXIT_S
+                exiting = idle_since is not None and now - idle_since > _IDLE_EXIT_S
                 if exiting:
                     self._thread = None  # a park from now on starts a new thread
             # Whatever this sweep collected is posted before anything else.
-            for mailbox, fences in settled.items():
+            for target, fences in settled.items():
                 self._posts += 1
-                if not mailbox.post(fences):
-                    self._saw_closed_mailbox = True
+                if not target.post(fences):
+                    self._saw_closed_target = True
             self._arm(to_arm)
             if exiting:
                 return
 
     def _collect(
-        self, settled: dict[Mailbox, list[Fence]], fence: Fence, _unexpected: Exception | None
+        self, settled: dict[Target, list[Fence]], fence: Fence, _unexpected: Exception | None
     ) -> None:
-        """Sweep callback, under the lock: group a settled fence by loop."""
+        """Sweep callback, under the lock: group a settled fence by loop.
+
+        An unexpected error is left for the loop, whose poller queries again.
+        """
         self._unsignalled.discard(fence)
         self._armed.discard(fence)
-        for mailbox in self._targets.pop(fence, ()):
-            settled.setdefault(mailbox, []).append(fence)
+        for target in self._targets.pop(fence, ()):
+            settled.setdefault(target, []).append(fence)
 
     def stop(self, timeout: float = 1.0) -> None:
         """Ask the thread to exit, and wait for it up to ``timeout``."""
@@ -415,7 +368,7 @@ def current_watcher() -> Watcher:
 
 
 def watcher_statistics() -> WatcherStatistics:
-    """A snapshot of the process's watcher; all zeros before its first use."""
+    """A snapshot of the process's fallback watcher; all zeros before its first use."""
     watcher = _watcher
     return watcher.statistics() if watcher is not None else WatcherStatistics()
 
@@ -428,8 +381,9 @@ def _stop_at_exit() -> None:
 
 def _after_fork_in_child() -> None:
     # The parent's thread and loops do not exist here; start afresh.
-    global _watcher
+    global _watcher, _watcher_lock
     _watcher = None
+    _watcher_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):

@@ -18,7 +18,7 @@ import pytest
 
 import asyncfence
 from asyncfence import DeviceError
-from asyncfence._watcher import Mailbox
+from asyncfence._poller import ThreadMailbox as Mailbox
 from asyncfence.testing import hold
 
 from .conftest import let_loop_run, until

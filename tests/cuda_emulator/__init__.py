@@ -62,6 +62,7 @@ class Emulator:
         lib.emu_inject_fault.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.emu_clear_fault.argtypes = [ctypes.c_void_p]
         lib.emu_event_flags.argtypes = [ctypes.c_void_p]
+        lib.emu_last_host_fn.restype = ctypes.c_void_p
         for counter in (
             "live_events",
             "live_streams",
@@ -115,6 +116,10 @@ class Emulator:
 
     def live_host_allocs(self) -> int:
         return int(self._lib.emu_live_host_allocs())
+
+    def last_host_fn(self) -> int:
+        """The function pointer the latest host-function launch handed the driver."""
+        return int(self._lib.emu_last_host_fn() or 0)
 
     def host_funcs_launched(self) -> tuple[int, int]:
         """Host functions launched so far through ``cuLaunchHostFunc`` and its ``_v2``."""

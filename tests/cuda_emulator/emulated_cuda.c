@@ -38,7 +38,10 @@ enum {
 };
 
 #define MAX_DEVICES 8
-#define DRIVER_VERSION 13020
+/* The version reported by default; ASYNCFENCE_EMULATED_DRIVER_VERSION (13000 for
+ * CUDA 13.0, say) models an older driver: cuGetProcAddress then refuses newer
+ * versions and never hands out entry points that came after it. */
+#define DEFAULT_DRIVER_VERSION 13020
 
 typedef struct stream stream_t;
 
@@ -92,6 +95,17 @@ static int device_count = 2;
 static context_t *primary[MAX_DEVICES];
 static long live_events, live_streams, pending_host_funcs, events_created, live_host_allocs;
 static long host_funcs_v1, host_funcs_v2;
+static void *last_host_fn;
+
+static int driver_version(void) {
+    static int version;
+    if (!version) {
+        const char *env = getenv("ASYNCFENCE_EMULATED_DRIVER_VERSION");
+        int parsed = env ? atoi(env) : 0;
+        version = parsed > 0 ? parsed : DEFAULT_DRIVER_VERSION;
+    }
+    return version;
+}
 
 static __thread context_t *ctx_stack[32];
 static __thread int ctx_depth;
@@ -324,7 +338,7 @@ CUresult cuInit(unsigned int flags) {
 
 CUresult cuDriverGetVersion(int *version) {
     if (!version) return INVALID_VALUE;
-    *version = DRIVER_VERSION;
+    *version = driver_version();
     return SUCCESS;
 }
 
@@ -650,6 +664,7 @@ static CUresult launch_host_func(void *stream_handle, CUhostFn fn, void *data, l
         op->data = data;
         pending_host_funcs++;
         (*counter)++;
+        last_host_fn = (void *)fn;
         enqueue_locked(s, op);
     }
     pthread_mutex_unlock(&mu);
@@ -830,6 +845,14 @@ CUresult cuGetErrorString(CUresult code, const char **out) {
 
 /* ---- the resolver cuda.bindings loads everything through ---------------------- */
 
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version,
+                             unsigned long long flags, int *status);
+
+static CUresult cuGetProcAddress_v1(const char *symbol, void **pfn, int cuda_version,
+                                    unsigned long long flags) {
+    return cuGetProcAddress_v2(symbol, pfn, cuda_version, flags, NULL);
+}
+
 static const struct { const char *name; int version; void *fn; } entry_points[] = {
 #define ENTRY(name, version, fn) { name, version, (void *)fn }
     ENTRY("cuInit", 2000, cuInit),
@@ -875,6 +898,8 @@ static const struct { const char *name; int version; void *fn; } entry_points[] 
     ENTRY("cuMemAllocAsync", 11020, cuMemAllocAsync),
     ENTRY("cuMemFreeAsync", 11020, cuMemFreeAsync),
     ENTRY("cuMemsetD8Async", 3020, cuMemsetD8Async),
+    ENTRY("cuGetProcAddress", 11030, cuGetProcAddress_v1),
+    ENTRY("cuGetProcAddress", 12000, cuGetProcAddress_v2),
 #undef ENTRY
 };
 
@@ -882,6 +907,12 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version,
                              unsigned long long flags, int *status) {
     (void)flags; /* per-thread-default-stream variants resolve to the same functions */
     if (!symbol || !pfn) return INVALID_VALUE;
+    /* As the real driver: a version above its own is refused outright. */
+    if (cuda_version > driver_version()) {
+        *pfn = NULL;
+        if (status) *status = 2; /* CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT */
+        return INVALID_VALUE;
+    }
     /* ASYNCFENCE_EMULATED_HIDE names one entry point to leave out, as an old driver would. */
     const char *hidden = getenv("ASYNCFENCE_EMULATED_HIDE");
     if (hidden && strcmp(hidden, symbol) == 0) {
@@ -982,6 +1013,14 @@ long emu_events_created(void) { return read_counter(&events_created); }
 long emu_live_host_allocs(void) { return read_counter(&live_host_allocs); }
 long emu_host_funcs_v1(void) { return read_counter(&host_funcs_v1); }
 long emu_host_funcs_v2(void) { return read_counter(&host_funcs_v2); }
+
+/* The function pointer the latest host-function launch handed the driver. */
+void *emu_last_host_fn(void) {
+    pthread_mutex_lock(&mu);
+    void *fn = last_host_fn;
+    pthread_mutex_unlock(&mu);
+    return fn;
+}
 
 /* The flags an event was created with, or -1 for a bad handle. */
 int emu_event_flags(void *handle) {

@@ -1,0 +1,212 @@
+/*
+ * asyncfence's native wake path: the completion signal that wakes an event loop.
+ *
+ * No Python C-API: the device runtime calls these functions on its own threads
+ * (PoCL's device worker, the CUDA driver's callback thread), where Python must
+ * never run. Python loads this library with ctypes.
+ *
+ * A mailbox belongs to one event loop. It owns a file descriptor that the loop
+ * watches with its own selector (an eventfd, or the read end of a pipe), and a
+ * lock-free list of the signals that fired. A slot is one armed signal: the
+ * device runtime calls af_fire (a CUDA host function) or af_opencl_callback
+ * (an OpenCL event callback) with it exactly once. Firing pushes the slot on
+ * its mailbox's list, and writes the fd only if the list was empty: many
+ * completions coalesce into one write and one wake. The loop drains the fd
+ * first, then the list (the other order could lose a wake), and frees the
+ * slots it took.
+ *
+ * Lifetimes: C owns every slot and mailbox. A mailbox counts one reference
+ * for its loop and one per slot armed and not yet taken, and closes its fd
+ * only once the count is zero, so a late signal never writes into a file that
+ * reused the number. A slot whose signal never fires (an OpenCL event that
+ * failed, a CUDA host function after a context fault) is never freed: a few
+ * bytes per fault. A process forked from the one that made a mailbox never
+ * frees it nor closes its fd.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/types.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <sys/eventfd.h>
+#endif
+
+#define AF_API __attribute__((visibility("default")))
+
+typedef struct af_mailbox af_mailbox;
+
+typedef struct af_slot {
+    struct af_slot *next; /* in the mailbox's fired list, once fired */
+    af_mailbox *mailbox;
+    uint64_t token;
+} af_slot;
+
+struct af_mailbox {
+    _Atomic(af_slot *) fired; /* a stack: signals push, the loop takes it whole */
+    atomic_long refs;
+    af_slot *taken; /* the loop's: fired slots not yet handed to Python */
+    int read_fd;
+    int write_fd; /* the same fd for an eventfd */
+    pid_t owner;
+};
+
+static atomic_long live_slots;
+static atomic_long live_mailboxes;
+
+static void close_fds(af_mailbox *mailbox) {
+    close(mailbox->read_fd);
+    if (mailbox->write_fd != mailbox->read_fd) close(mailbox->write_fd);
+}
+
+static void free_list(af_slot *slot) {
+    while (slot) {
+        af_slot *next = slot->next;
+        free(slot);
+        atomic_fetch_sub(&live_slots, 1);
+        slot = next;
+    }
+}
+
+static void mailbox_unref(af_mailbox *mailbox) {
+    if (atomic_fetch_sub_explicit(&mailbox->refs, 1, memory_order_acq_rel) != 1) return;
+    /* Last reference: no signal can fire into it any more. */
+    close_fds(mailbox);
+    free_list(atomic_exchange(&mailbox->fired, NULL));
+    free_list(mailbox->taken);
+    free(mailbox);
+    atomic_fetch_sub(&live_mailboxes, 1);
+}
+
+#ifndef __linux__
+static int set_flags(int fd) {
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) return -1;
+    return fcntl(fd, F_SETFD, FD_CLOEXEC);
+}
+#endif
+
+/* A new mailbox, or NULL with errno set. */
+AF_API af_mailbox *af_mailbox_new(void) {
+    af_mailbox *mailbox = calloc(1, sizeof *mailbox);
+    if (!mailbox) return NULL;
+#ifdef __linux__
+    int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0) {
+        free(mailbox);
+        return NULL;
+    }
+    mailbox->read_fd = mailbox->write_fd = fd;
+#else
+    int fds[2];
+    if (pipe(fds) != 0) {
+        free(mailbox);
+        return NULL;
+    }
+    if (set_flags(fds[0]) != 0 || set_flags(fds[1]) != 0) {
+        int saved = errno;
+        close(fds[0]);
+        close(fds[1]);
+        free(mailbox);
+        errno = saved;
+        return NULL;
+    }
+    mailbox->read_fd = fds[0];
+    mailbox->write_fd = fds[1];
+#endif
+    atomic_init(&mailbox->fired, NULL);
+    atomic_init(&mailbox->refs, 1);
+    mailbox->owner = getpid();
+    atomic_fetch_add(&live_mailboxes, 1);
+    return mailbox;
+}
+
+/* The fd the loop watches for readability. */
+AF_API int af_mailbox_fd(af_mailbox *mailbox) { return mailbox->read_fd; }
+
+/* The loop lets go of its mailbox. The fd stays open while any slot is armed. */
+AF_API void af_mailbox_close(af_mailbox *mailbox) {
+    if (mailbox->owner != getpid()) return; /* a forked child: the parent's, not ours */
+    mailbox_unref(mailbox);
+}
+
+/*
+ * Take up to `capacity` fired tokens. Drains the fd first, then the list.
+ * Returns how many were written to `tokens`; fewer than `capacity` means none
+ * are left. Only the mailbox's loop calls it.
+ */
+AF_API size_t af_mailbox_take(af_mailbox *mailbox, uint64_t *tokens, size_t capacity) {
+    if (!mailbox->taken) {
+        char scratch[64];
+        while (read(mailbox->read_fd, scratch, sizeof scratch) > 0) {
+        }
+        mailbox->taken = atomic_exchange_explicit(&mailbox->fired, NULL, memory_order_acquire);
+    }
+    size_t count = 0;
+    while (mailbox->taken && count < capacity) {
+        af_slot *slot = mailbox->taken;
+        mailbox->taken = slot->next;
+        tokens[count++] = slot->token;
+        free(slot);
+        atomic_fetch_sub(&live_slots, 1);
+        mailbox_unref(mailbox);
+    }
+    return count;
+}
+
+/* A slot to arm for `token`: its signal will post it to `mailbox`. NULL if out of memory. */
+AF_API af_slot *af_slot_new(af_mailbox *mailbox, uint64_t token) {
+    af_slot *slot = malloc(sizeof *slot);
+    if (!slot) return NULL;
+    slot->next = NULL;
+    slot->mailbox = mailbox;
+    slot->token = token;
+    atomic_fetch_add(&mailbox->refs, 1);
+    atomic_fetch_add(&live_slots, 1);
+    return slot;
+}
+
+/* Free a slot whose arming failed: the runtime will never call it. */
+AF_API void af_slot_discard(af_slot *slot) {
+    af_mailbox *mailbox = slot->mailbox;
+    free(slot);
+    atomic_fetch_sub(&live_slots, 1);
+    mailbox_unref(mailbox);
+}
+
+/* The signal, as a CUDA host function: `void f(void *)`. Called once per slot. */
+AF_API void af_fire(void *argument) {
+    af_slot *slot = argument;
+    af_mailbox *mailbox = slot->mailbox;
+    /* Once pushed, the slot (and its reference) is the loop's to take at any
+     * moment: hold one of our own until the write is done. */
+    atomic_fetch_add_explicit(&mailbox->refs, 1, memory_order_relaxed);
+    af_slot *head = atomic_load_explicit(&mailbox->fired, memory_order_relaxed);
+    do {
+        slot->next = head;
+    } while (!atomic_compare_exchange_weak_explicit(&mailbox->fired, &head, slot,
+                                                    memory_order_release, memory_order_relaxed));
+    if (head == NULL) {
+        uint64_t one = 1;
+        ssize_t written;
+        do {
+            written = write(mailbox->write_fd, &one, sizeof one);
+        } while (written < 0 && errno == EINTR);
+        /* EAGAIN: the fd is already readable, which is all a write is for. */
+    }
+    mailbox_unref(mailbox);
+}
+
+/* The signal, as an OpenCL event callback. The status is never trusted: the loop queries. */
+AF_API void af_opencl_callback(void *event, int32_t status, void *argument) {
+    (void)event;
+    (void)status;
+    af_fire(argument);
+}
+
+/* For tests and statistics: slots allocated and not freed; mailboxes alive. */
+AF_API long af_live_slots(void) { return atomic_load(&live_slots); }
+AF_API long af_live_mailboxes(void) { return atomic_load(&live_mailboxes); }
