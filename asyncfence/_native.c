@@ -48,6 +48,7 @@ typedef struct af_slot {
 struct af_mailbox {
     _Atomic(af_slot *) fired; /* a stack: signals push, the loop takes it whole */
     atomic_long refs;
+    atomic_int closed; /* the loop let go: fired slots are freed, not delivered */
     af_slot *taken; /* the loop's: fired slots not yet handed to Python */
     int read_fd;
     int write_fd; /* the same fd for an eventfd */
@@ -62,23 +63,23 @@ static void close_fds(af_mailbox *mailbox) {
     if (mailbox->write_fd != mailbox->read_fd) close(mailbox->write_fd);
 }
 
-static void free_list(af_slot *slot) {
+static void mailbox_unref(af_mailbox *mailbox) {
+    if (atomic_fetch_sub(&mailbox->refs, 1) != 1) return;
+    /* Last reference: no signal can fire into it any more, and no slot is left. */
+    close_fds(mailbox);
+    free(mailbox);
+    atomic_fetch_sub(&live_mailboxes, 1);
+}
+
+/* Free fired slots nobody will take; each held a reference. */
+static void free_slots(af_mailbox *mailbox, af_slot *slot) {
     while (slot) {
         af_slot *next = slot->next;
         free(slot);
         atomic_fetch_sub(&live_slots, 1);
+        mailbox_unref(mailbox);
         slot = next;
     }
-}
-
-static void mailbox_unref(af_mailbox *mailbox) {
-    if (atomic_fetch_sub_explicit(&mailbox->refs, 1, memory_order_acq_rel) != 1) return;
-    /* Last reference: no signal can fire into it any more. */
-    close_fds(mailbox);
-    free_list(atomic_exchange(&mailbox->fired, NULL));
-    free_list(mailbox->taken);
-    free(mailbox);
-    atomic_fetch_sub(&live_mailboxes, 1);
 }
 
 #ifndef __linux__
@@ -119,6 +120,7 @@ AF_API af_mailbox *af_mailbox_new(void) {
 #endif
     atomic_init(&mailbox->fired, NULL);
     atomic_init(&mailbox->refs, 1);
+    atomic_init(&mailbox->closed, 0);
     mailbox->owner = getpid();
     atomic_fetch_add(&live_mailboxes, 1);
     return mailbox;
@@ -130,7 +132,17 @@ AF_API int af_mailbox_fd(af_mailbox *mailbox) { return mailbox->read_fd; }
 /* The loop lets go of its mailbox. The fd stays open while any slot is armed. */
 AF_API void af_mailbox_close(af_mailbox *mailbox) {
     if (mailbox->owner != getpid()) return; /* a forked child: the parent's, not ours */
-    mailbox_unref(mailbox);
+    /* Closed first, drained second: a signal that fires meanwhile either sees
+     * the flag and frees its own slot, or was pushed before and is drained here
+     * (every operation on `closed` and `fired` is sequentially consistent). */
+    atomic_store(&mailbox->closed, 1);
+    atomic_fetch_add(&mailbox->refs, 1); /* ours, until the slots are freed */
+    af_slot *taken = mailbox->taken;
+    mailbox->taken = NULL;
+    free_slots(mailbox, taken);
+    free_slots(mailbox, atomic_exchange(&mailbox->fired, NULL));
+    mailbox_unref(mailbox); /* the extra one */
+    mailbox_unref(mailbox); /* the loop's */
 }
 
 /*
@@ -143,7 +155,7 @@ AF_API size_t af_mailbox_take(af_mailbox *mailbox, uint64_t *tokens, size_t capa
         char scratch[64];
         while (read(mailbox->read_fd, scratch, sizeof scratch) > 0) {
         }
-        mailbox->taken = atomic_exchange_explicit(&mailbox->fired, NULL, memory_order_acquire);
+        mailbox->taken = atomic_exchange(&mailbox->fired, NULL);
     }
     size_t count = 0;
     while (mailbox->taken && count < capacity) {
@@ -182,14 +194,16 @@ AF_API void af_fire(void *argument) {
     af_slot *slot = argument;
     af_mailbox *mailbox = slot->mailbox;
     /* Once pushed, the slot (and its reference) is the loop's to take at any
-     * moment: hold one of our own until the write is done. */
-    atomic_fetch_add_explicit(&mailbox->refs, 1, memory_order_relaxed);
-    af_slot *head = atomic_load_explicit(&mailbox->fired, memory_order_relaxed);
+     * moment: hold one of our own until we are done with the mailbox. */
+    atomic_fetch_add(&mailbox->refs, 1);
+    af_slot *head = atomic_load(&mailbox->fired);
     do {
         slot->next = head;
-    } while (!atomic_compare_exchange_weak_explicit(&mailbox->fired, &head, slot,
-                                                    memory_order_release, memory_order_relaxed));
-    if (head == NULL) {
+    } while (!atomic_compare_exchange_weak(&mailbox->fired, &head, slot));
+    if (atomic_load(&mailbox->closed)) {
+        /* Nobody will take it: free what is there (the loop may be doing the same). */
+        free_slots(mailbox, atomic_exchange(&mailbox->fired, NULL));
+    } else if (head == NULL) {
         uint64_t one = 1;
         ssize_t written;
         do {

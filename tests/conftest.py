@@ -69,6 +69,29 @@ def unordered_queue(device: OpenCLDevice) -> Iterator[cl.CommandQueue]:
     stream.finish()
 
 
+@pytest.fixture(scope="session")
+def wake_path() -> str:
+    """How parked waits wake in this run: ``"native"`` (the shim) or ``"thread"``.
+
+    CI runs the suite twice, the second time with ``ASYNCFENCE_NATIVE=0``.
+    """
+    from asyncfence._native import shim
+
+    return "native" if shim() is not None else "thread"
+
+
+@pytest.fixture
+def thread_wake_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Park on the fallback watcher thread in this test, shim or not.
+
+    Applies to loops that park for the first time during the test (anyio
+    gives every test a fresh loop).
+    """
+    from asyncfence import _poller
+
+    monkeypatch.setattr(_poller, "shim", lambda: None)
+
+
 @pytest.fixture(params=["auto", "poll", "park"])
 def strategy(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run the test with each waiting strategy as the process-wide default."""

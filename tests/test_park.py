@@ -58,7 +58,7 @@ def stream(request: pytest.FixtureRequest, device: OpenCLDevice) -> Iterator[Any
     driver.cuStreamDestroy(cuda_stream)
 
 
-async def test_park_leaves_the_loop_idle_while_the_work_runs(stream: Any) -> None:
+async def test_park_leaves_the_loop_idle_while_the_work_runs(stream: Any, wake_path: str) -> None:
     with hold(stream) as gate:
         fence = asyncfence.record(stream)
         async with anyio.create_task_group() as tg:
@@ -69,7 +69,12 @@ async def test_park_leaves_the_loop_idle_while_the_work_runs(stream: Any) -> Non
             after = asyncfence.current_statistics()
             assert after.ticks == before.ticks == 0  # not one poll
             assert not after.running
-            assert asyncfence.watcher_statistics().parked >= 1
+            assert after.wake_path == wake_path
+            if wake_path == "native":  # the loop's own mailbox: no thread at all
+                assert after.armed == 1
+                assert not asyncfence.watcher_statistics().running
+            else:
+                assert asyncfence.watcher_statistics().parked >= 1
             assert not fence.done()
             gate.release()
     assert fence.done()
@@ -214,7 +219,7 @@ async def test_when_the_oldest_leaves_the_next_one_is_signalled(stream: Any) -> 
             tg.start_soon(partial(behind.wait, strategy="park"))
             await until(lambda: asyncfence.current_statistics().parked == 2)
             oldest_scope.cancel()
-            await until(lambda: asyncfence.watcher_statistics().parked == 1)
+            await until(lambda: asyncfence.current_statistics().parked == 1)
             gate.release()
             with anyio.fail_after(10):  # the re-check is 30 s away: this is the signal
                 await behind.wait(strategy="park")
@@ -297,13 +302,11 @@ def test_a_finished_trio_run_refuses_posts_without_raising(queue: Any) -> None:
         fence = asyncfence.record(queue)
 
         async def main() -> None:
-            with trio.move_on_after(0.01):
-                await fence.wait(strategy="park")
-            from asyncfence._loops import _current_trio_poller
+            from asyncfence._loops import _trio_driver
 
-            poller = _current_trio_poller(create=False)
-            assert poller is not None
-            mailboxes.append(poller._mailbox)
+            driver = _trio_driver(create=True)
+            assert driver is not None
+            mailboxes.append(Mailbox(driver.call_soon_threadsafe, driver.poller.deliver))
 
         trio.run(main)
     # A late signal for a run that is over: RunFinishedError must not escape.
@@ -311,10 +314,11 @@ def test_a_finished_trio_run_refuses_posts_without_raising(queue: Any) -> None:
     assert mailboxes[0].closed
 
 
+@pytest.mark.usefixtures("thread_wake_path")
 def test_the_watcher_exits_when_idle(queue: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from asyncfence import _watcher
 
-    monkeypatch.setattr(_watcher, "IDLE_EXIT_S", 0.02)
+    monkeypatch.setattr(_watcher, "_IDLE_EXIT_S", 0.02)
 
     async def main() -> None:
         fence = asyncfence.record(queue)
@@ -370,19 +374,33 @@ def test_exit_with_fences_pending(backend: str, runner: str, cuda_mode: str) -> 
         import asyncio, threading, time
         import asyncfence
         from asyncfence.testing import StreamGate, open_default_device
+        if {runner!r} == "trio":
+            import trio
 
         device = open_default_device({backend!r})
         stream = device.new_stream()
         gate = StreamGate(stream)  # never released
         fences = [asyncfence.record(stream) for _ in range(3)]
+        parked = threading.Event()
+
+        async def until_parked():
+            while asyncfence.current_statistics().parked < 1:
+                await (trio.sleep(0.001) if {runner!r} == "trio" else asyncio.sleep(0.001))
+            parked.set()
 
         async def wait_forever():
-            for fence in fences:
-                await fence.wait(strategy="park")
+            if {runner!r} == "trio":
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(until_parked)
+                    for fence in fences:
+                        await fence.wait(strategy="park")
+            else:
+                watch = asyncio.ensure_future(until_parked())
+                for fence in fences:
+                    await fence.wait(strategy="park")
 
         def background():
             if {runner!r} == "trio":
-                import trio
                 trio.run(wait_forever)
             elif {runner!r} == "uvloop":
                 import uvloop
@@ -391,8 +409,7 @@ def test_exit_with_fences_pending(backend: str, runner: str, cuda_mode: str) -> 
                 asyncio.run(wait_forever())
 
         threading.Thread(target=background, daemon=True).start()
-        while asyncfence.watcher_statistics().parked < 1:
-            time.sleep(0.001)
+        assert parked.wait(30)
         assert not any(fence.done() for fence in fences)
         print("parked", flush=True)
         """
@@ -434,6 +451,7 @@ def test_configure_sets_the_default_strategy() -> None:
         asyncfence.configure(strategy=previous.strategy, recheck_interval=previous.recheck_interval)
 
 
+@pytest.mark.usefixtures("thread_wake_path")
 async def test_the_watcher_never_exits_with_fences_it_collected(
     queue: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -441,7 +459,7 @@ async def test_the_watcher_never_exits_with_fences_it_collected(
 
     # Exit as soon as idle, re-check constantly: a sweep that collects the last
     # parked fences must still post them before the thread goes.
-    monkeypatch.setattr(_watcher, "IDLE_EXIT_S", 0.0)
+    monkeypatch.setattr(_watcher, "_IDLE_EXIT_S", 0.0)
     asyncfence.configure(recheck_interval=0.001)
     for _ in range(100):
         with hold(queue) as gate, anyio.fail_after(10):  # a lost wake fails here
@@ -476,9 +494,10 @@ def test_a_driver_without_host_functions_falls_back_to_polling(cuda_mode: str) -
             with hold(stream) as gate:
                 fence = asyncfence.record(stream)
                 waiter = asyncio.ensure_future(fence.wait(strategy="park"))
-                while asyncfence.watcher_statistics().parked < 1:
+                while asyncfence.current_statistics().parked < 1:
                     await asyncio.sleep(0.001)
-                print("unsignalled", asyncfence.watcher_statistics().unsignalled)
+                stats = asyncfence.current_statistics()
+                print("signal", stats.cuda_signal, "armed", stats.armed)
                 gate.release()
                 await asyncio.wait_for(waiter, 30)
             print("done", fence.done())
@@ -490,5 +509,5 @@ def test_a_driver_without_host_functions_falls_back_to_polling(cuda_mode: str) -
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "unsignalled 1" in result.stdout  # no host function: the watcher polls it
+    assert "signal polling armed 0" in result.stdout  # no host function: it is polled
     assert "done True" in result.stdout

@@ -249,7 +249,7 @@ queue, other = device.new_stream(), device.new_stream()
 gate = StreamGate(queue)
 fence = asyncfence.record(queue)
 lines, first = inspect.getsourcelines(_fence.Fence.enqueue_wait)
-target = first + next(i for i, line in enumerate(lines) if "with _settle_lock:" in line)
+target = first + next(i for i, line in enumerate(lines) if "marker = self._pin()" in line)
 paused, go, result = threading.Event(), threading.Event(), []
 def local(frame, event, arg):
     if event == "line" and frame.f_lineno == target:
@@ -294,42 +294,7 @@ os._exit(0)
 
 
 @pytest.mark.anyio
-async def test_a_waiter_thread_exiting_idle_never_deadlocks_a_new_park(
-    queue: cl.CommandQueue, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_opencl, "_WAITER_IDLE_S", 0.01)
-    backend = backend_for(queue)
-    assert isinstance(backend, _opencl.OpenCLBackend)
-    with asyncfence.testing.hold(queue) as held:
-        fence = asyncfence.record(queue)
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(functools.partial(fence.wait, strategy="park"))
-            await until(lambda: queue.int_ptr in backend._waiters)  # its thread started
-            # Taken while it has work: it cannot exit idle before this.
-            waiter = backend._waiters[queue.int_ptr]
-            held.release()
-    # Hold the backend's lock, as arming does, while the waiter exits idle.
-    with backend._waiters_lock:
-        await anyio.to_thread.run_sync(_wait_until_exited, waiter)
-        # Arming asks whether it is alive, under the lock: must not block.
-        answer: list[bool] = []
-        asking = threading.Thread(target=lambda: answer.append(waiter.alive))
-        asking.start()
-        await anyio.to_thread.run_sync(asking.join, HANG_GUARD_S)
-        assert answer == [False]
-    await anyio.to_thread.run_sync(waiter._thread.join, HANG_GUARD_S)
-    assert backend._waiters.get(queue.int_ptr) is not waiter
-
-
-def _wait_until_exited(waiter: Any) -> None:
-    for _ in range(HANG_GUARD_S * 1000):
-        if waiter._exited:
-            return
-        threading.Event().wait(0.001)
-    raise AssertionError("the waiter thread never exited")
-
-
-@pytest.mark.anyio
+@pytest.mark.usefixtures("thread_wake_path")
 async def test_a_huge_recheck_interval_never_spins_the_watcher(
     queue: cl.CommandQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -368,9 +333,13 @@ def test_a_wait_abandoned_on_a_closed_loop_unparks_when_closed(
     fence = asyncfence.record(queue)
     loop = asyncio.new_event_loop()
     task = loop.create_task(fence.wait(strategy="park"))
-    loop.run_until_complete(until(lambda: asyncfence.watcher_statistics().parked == 1))
+    loop.run_until_complete(until(lambda: asyncfence.current_statistics().parked == 1))
     loop.close()  # the task is still waiting
     task.get_coro().close()  # what its destruction does: runs its finally
+    driver = _loops._existing_asyncio_suspender(loop)
+    assert driver is not None
+    stats = driver.poller.statistics()
+    assert (stats.parked, stats.waiters) == (0, 0)
     assert asyncfence.watcher_statistics().parked == 0
 
 
@@ -380,15 +349,16 @@ def test_the_trio_poller_survives_a_run_that_is_shutting_down(
     import trio
 
     async def main() -> None:
-        poller = _loops._current_trio_poller(create=True)
-        assert poller is not None
+        driver = _loops._trio_driver(create=True)
+        assert driver is not None
+        chain = driver.chain(lambda: None)
 
         def closed_nursery(*args: object, **kwargs: object) -> None:
             raise RuntimeError("Nursery is closed to new arrivals")
 
         monkeypatch.setattr(trio.lowlevel, "spawn_system_task", closed_nursery)
-        poller._ensure_ticking()  # must not raise into trio
-        assert not poller._is_running()
+        chain.ensure(0.0)  # must not raise into trio
+        assert not chain.running
 
     trio.run(main)
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,10 +66,15 @@ def test_fork_while_the_watcher_runs_gives_the_child_a_clear_error(
         gate = StreamGate(stream)
         fence = asyncfence.record(stream)
         loop = asyncio.new_event_loop()
-        threading.Thread(target=lambda: loop.run_until_complete(fence.wait(strategy="park")),
-                         daemon=True).start()
-        while asyncfence.watcher_statistics().parked < 1:
-            time.sleep(0.001)
+        parked = threading.Event()
+        async def wait():
+            waiter = asyncio.ensure_future(fence.wait(strategy="park"))
+            while asyncfence.current_statistics().parked < 1:
+                await asyncio.sleep(0.001)
+            parked.set()
+            await waiter
+        threading.Thread(target=lambda: loop.run_until_complete(wait()), daemon=True).start()
+        assert parked.wait(30)
         pid = os.fork()
         if pid == 0:
             errors = []
@@ -147,9 +153,15 @@ async def test_one_fence_awaited_on_two_loops_at_once(queue: cl.CommandQueue) ->
         fence = asyncfence.record(queue)
         other: dict[str, Any] = {}
 
+        parked = threading.Event()
+
         def other_loop() -> None:
             async def wait() -> None:
-                await fence.wait(strategy="park")
+                waiter = asyncio.ensure_future(fence.wait(strategy="park"))
+                while asyncfence.current_statistics().parked < 1:
+                    await asyncio.sleep(0.001)
+                parked.set()
+                await waiter
                 other["resumed"] = True
 
             asyncio.run(wait())
@@ -157,8 +169,9 @@ async def test_one_fence_awaited_on_two_loops_at_once(queue: cl.CommandQueue) ->
         thread = threading.Thread(target=other_loop)
         thread.start()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(fence.wait)
-            await until(lambda: asyncfence.watcher_statistics().parked >= 1)
+            tg.start_soon(partial(fence.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 1)
+            await anyio.to_thread.run_sync(parked.wait, 30)
             gate.release()
         await anyio.to_thread.run_sync(thread.join)
     assert other == {"resumed": True}
