@@ -21,6 +21,7 @@ __all__ = [
     "QueueInfo",
     "backend_for",
     "register_backend",
+    "signal_path",
 ]
 
 #: A backend's own completion marker: a ``pyopencl.Event``, a pooled CUDA event.
@@ -148,6 +149,14 @@ class Backend(Protocol):
         """
         ...
 
+    def signal_path(self) -> str | None:
+        """How :meth:`arm` reaches the runtime, for statistics; ``None`` if not yet known.
+
+        CUDA: ``"v2"``, ``"v1"`` (the driver's raw ``cuLaunchHostFunc``
+        entry points) or ``"none"``; OpenCL: ``"clSetEventCallback"``.
+        """
+        ...
+
     def release(self, marker: Marker) -> None:
         """Give ``marker`` back; it may still be pending.
 
@@ -164,6 +173,14 @@ def register_backend(backend: Backend) -> None:
     """Add a backend that :func:`backend_for` will consult, in order."""
     _backends.append(backend)
     _by_type.clear()
+
+
+def signal_path(name: str) -> str | None:
+    """The :meth:`Backend.signal_path` of the backend ``name``; ``None`` if unknown."""
+    for backend in _backends:
+        if backend.name == name:
+            return backend.signal_path()
+    return None
 
 
 def backend_for(stream: object) -> Backend:

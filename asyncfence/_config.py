@@ -127,10 +127,18 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def _seconds(value: numbers.Real) -> float:
+    """``value`` as a float; beyond a float's range, infinite (with its sign)."""
+    try:
+        return float(value)
+    except OverflowError:  # an int (or Fraction) too large for a float
+        return math.inf if value > 0 else -math.inf  # type: ignore[operator]
+
+
 def _finite_seconds(name: str, value: object, *, allow_zero: bool) -> float:
     if not _is_real(value):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__qualname__}")
-    seconds = float(value)  # type: ignore[arg-type]
+    seconds = _seconds(value)  # type: ignore[arg-type]
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
@@ -153,7 +161,7 @@ def check_timeout(timeout: object) -> float:
         raise TypeError(
             f"timeout must be None or a number of seconds, got {type(timeout).__qualname__}"
         )
-    seconds = float(timeout)  # type: ignore[arg-type]
+    seconds = _seconds(timeout)  # type: ignore[arg-type]  # beyond a float: no limit
     if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
     return seconds

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ._poller import Poller
 
 if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import ExceptionGroup
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["DropQueue", "DropQueueStatistics", "FaultHandler"]
 
@@ -151,9 +151,10 @@ class DropQueue:
 
     Failures:
 
-    * A ``free`` that raises is logged and counted; the other frees go on.
-      :meth:`drain` and :meth:`aclose` raise the errors so far together as an
-      ``ExceptionGroup``.
+    * A ``free`` that raises (anything: an ``Exception`` or not) is logged and
+      counted; the other frees go on. :meth:`drain` and :meth:`aclose` raise
+      the errors so far together as an ``ExceptionGroup``, except a
+      ``KeyboardInterrupt`` or ``SystemExit``, which they raise as itself.
     * An object whose fences failed (a device fault) is not freed as if its
       work were done: it goes to ``on_fault(obj, error)``. The default handler
       logs a warning and keeps the object, for :attr:`faulted`: memory a
@@ -195,7 +196,7 @@ class DropQueue:
         self._released = 0
         self._failed_frees = 0
         self._faulted_count = 0
-        self._free_errors: list[Exception] = []
+        self._free_errors: list[BaseException] = []
         self._faulted: list[tuple[object, BaseException]] = []
         self._changed: anyio.Event | None = None
         self._closed = False
@@ -335,17 +336,22 @@ class DropQueue:
             self._finish(item)
 
     def _finish(self, item: _Item) -> None:
-        """Release ``item``, or hand it to ``on_fault``; never raises."""
+        """Release ``item``, or hand it to ``on_fault``. Never raises.
+
+        What ``free`` or ``on_fault`` raise stays with the queue: a
+        ``KeyboardInterrupt`` or ``SystemExit`` is raised again by the next
+        :meth:`drain` or :meth:`aclose`, as itself.
+        """
         obj, free, failure = item.obj, item.free, item.failure
         item.obj = item.free = None
         item.fences = []
         item.waiters = []
         if failure is None:
-            free_error: Exception | None = None
+            free_error: BaseException | None = None
             if free is not None:
                 try:
                     free(obj)
-                except Exception as error:
+                except BaseException as error:  # isolated, whatever it is
                     free_error = error
                     _logger.error("free(%r) failed; the queue goes on", obj, exc_info=error)
             self._retire(item, released=True, free_error=free_error)
@@ -357,17 +363,19 @@ class DropQueue:
     def _hand_to_on_fault(self, obj: object, error: BaseException) -> None:
         try:
             self._on_fault(obj, error)
-        except Exception:
-            _logger.exception("on_fault(%r) failed; the object is kept", obj)
+        except BaseException as handler_error:  # isolated, whatever it is
+            _logger.error("on_fault(%r) failed; the object is kept", obj, exc_info=handler_error)
             with self._lock:
                 self._faulted.append((obj, error))
+                if isinstance(handler_error, (KeyboardInterrupt, SystemExit)):
+                    self._free_errors.append(handler_error)
 
     def _keep_faulted(self, obj: object, error: BaseException) -> None:
         _logger.warning("keeping %r: the work that reads it failed (%s)", obj, error)
         with self._lock:
             self._faulted.append((obj, error))
 
-    def _retire(self, item: _Item, *, released: bool, free_error: Exception | None) -> None:
+    def _retire(self, item: _Item, *, released: bool, free_error: BaseException | None) -> None:
         with self._lock:
             del self._unfinished[item.seq]
             self._pending_bytes -= item.nbytes
@@ -391,10 +399,16 @@ class DropQueue:
             await self._changed.wait()
 
     def _raise_free_errors(self) -> None:
+        """Raise what ``free`` raised since the last call (see :meth:`drain`)."""
         with self._lock:
             errors, self._free_errors = self._free_errors, []
+        for error in errors:
+            if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                with self._lock:  # the others are not lost: the next drain raises them
+                    self._free_errors[:0] = [e for e in errors if e is not error]
+                raise error
         if errors:
-            raise ExceptionGroup("free() raised for objects the DropQueue released", errors)
+            raise BaseExceptionGroup("free() raised for objects the DropQueue released", errors)
 
     async def wait_for_room(self, nbytes: int = 0) -> None:
         """Wait until one more object of ``nbytes`` fits the queue's budget.
@@ -441,7 +455,11 @@ class DropQueue:
         Raises:
             TimeoutError: The timeout expired first; the queue is unchanged.
             ExceptionGroup: ``free`` raised for some objects released since
-                the last drain; the queue went on regardless.
+                the last drain; the queue went on regardless. (A
+                ``BaseExceptionGroup`` if one of them is not an ``Exception``.)
+            KeyboardInterrupt: ``free`` or ``on_fault`` raised it (the same
+                for ``SystemExit``); raised as itself, the other errors kept
+                for the next drain.
             RuntimeError: The queue belongs to another event loop.
         """
         seconds = check_timeout(timeout)
@@ -471,8 +489,12 @@ class DropQueue:
                 ``on_fault`` with a :class:`~asyncfence.FenceError` saying so.
                 Its fences are no longer watched.
 
+        The queue is closed however this returns, a raise included.
+
         Raises:
-            ExceptionGroup: ``free`` raised for some released objects.
+            ExceptionGroup: ``free`` raised for some released objects (see
+                :meth:`drain`, which also says when ``KeyboardInterrupt`` and
+                ``SystemExit`` are raised).
         """
         poller = self._bind()
         if cancel_pending:
@@ -490,9 +512,11 @@ class DropQueue:
                 )
                 self._finish(item)
         else:
-            await self.drain()
-            with self._lock:
-                self._closed = True
+            try:
+                await self.drain()
+            finally:  # closed, whatever drain raised
+                with self._lock:
+                    self._closed = True
         self._raise_free_errors()
 
     async def __aenter__(self) -> Self:

@@ -404,7 +404,7 @@ class _TaskWaiter:
 class _TrioDriver:
     """trio's primitives, for a poller and for :func:`wait_for_fence`."""
 
-    __slots__ = ("_token", "poller")
+    __slots__ = ("__weakref__", "_token", "poller")
 
     def __init__(self) -> None:
         import trio

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 import threading
 from collections import deque
@@ -71,6 +72,11 @@ class OpenCLBackend:
         self._graveyard: deque[cl.Event] = deque()
         self._failed: deque[cl.Event] = deque(maxlen=_FAILED_KEPT)
         self._sweep_at = _GRAVEYARD_MIN_SWEEP
+        self._sweep_lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):  # the parent's threads may have held it
+            os.register_at_fork(after_in_child=self._renew_locks)
+
+    def _renew_locks(self) -> None:
         self._sweep_lock = threading.Lock()
 
     def claims(self, stream: object) -> bool:
@@ -157,6 +163,9 @@ class OpenCLBackend:
         if code != 0:
             raise DeviceError(self.name, code, _status_name(code), "clSetEventCallback failed")
         return True
+
+    def signal_path(self) -> str | None:
+        return "clSetEventCallback"
 
     def release(self, marker: Marker) -> None:
         # Atomic deque operations only: this may run in a finalizer.

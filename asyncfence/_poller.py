@@ -24,6 +24,7 @@ no signal). Without the shim, parked fences go to the fallback watcher thread
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
 import os
@@ -31,9 +32,9 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from ._backend import NativeSignal
+from ._backend import NativeSignal, signal_path
 from ._config import Strategy, current_config
 from ._fence import ARMED, FAILED, PENDING, SETTLED, UNSIGNALLED
 from ._fenceset import FenceSet
@@ -152,20 +153,10 @@ class PollerStatistics:
 
 
 def _cuda_signal() -> Literal["v2", "v1", "polling"] | None:
-    import sys
-
-    cuda = sys.modules.get("asyncfence._cuda")
-    if cuda is None:
-        return None
-    from ._backend import backend_for
-
-    try:
-        path = backend_for(0).host_function_path()  # type: ignore[attr-defined]
-    except (TypeError, AttributeError):
-        return None
-    if path is None:
-        return None
-    return "polling" if path == "none" else path  # type: ignore[no-any-return]
+    path = signal_path("cuda")
+    if path == "none":
+        return "polling"
+    return path if path in ("v2", "v1") else None  # type: ignore[return-value]
 
 
 # -- mailboxes: how completions reach a loop -------------------------------------------
@@ -222,6 +213,17 @@ class NativeMailbox:
                 return taken
 
 
+def _weakly(function: Callable[..., object]) -> Callable[[], Callable[..., Any] | None]:
+    """A weak reference to a bound method; a strong one to anything else."""
+    if hasattr(function, "__self__") and hasattr(function, "__func__"):
+        return weakref.WeakMethod(function)
+
+    def strongly() -> Callable[..., Any]:
+        return function
+
+    return strongly
+
+
 class ThreadMailbox:
     """Where the fallback watcher thread posts settled fences for one event loop.
 
@@ -236,8 +238,11 @@ class ThreadMailbox:
         call_soon_threadsafe: Callable[[Callable[[], None]], object],
         deliver: Callable[[list[Fence]], None],
     ) -> None:
-        self._call_soon_threadsafe = call_soon_threadsafe
-        self._deliver = deliver
+        # Weakly, where they are methods: the watcher thread holds mailboxes,
+        # and must never keep a closed loop's poller (and, through its
+        # waiters, the loop itself) alive.
+        self._call_soon_threadsafe = _weakly(call_soon_threadsafe)
+        self._deliver = _weakly(deliver)
         self._lock = threading.Lock()
         self._fences: list[Fence] = []
         self._scheduled = False
@@ -245,8 +250,8 @@ class ThreadMailbox:
 
     @property
     def closed(self) -> bool:
-        """Whether the loop is gone (a post found it closed)."""
-        return self._closed
+        """Whether the loop is gone (a post found it closed, or its poller was collected)."""
+        return self._closed or self._deliver() is None
 
     def post(self, fences: list[Fence]) -> bool:
         """Hand ``fences`` to the loop. Never raises.
@@ -262,7 +267,10 @@ class ThreadMailbox:
                 return True
             self._scheduled = True
         try:
-            self._call_soon_threadsafe(self._drain)
+            call_soon_threadsafe = self._call_soon_threadsafe()
+            if call_soon_threadsafe is None:
+                raise RuntimeError("the event loop is gone")
+            call_soon_threadsafe(self._drain)
         except RuntimeError:  # a closed asyncio loop; trio's RunFinishedError
             with self._lock:
                 self._closed = True
@@ -274,7 +282,9 @@ class ThreadMailbox:
         with self._lock:
             fences, self._fences = self._fences, []
             self._scheduled = False
-        self._deliver(fences)
+        deliver = self._deliver()
+        if deliver is not None:
+            deliver(fences)
 
 
 # -- parking: how parked fences are watched ------------------------------------------------
@@ -374,8 +384,12 @@ class _NativeParking:
             self._mailbox.discard(slot)
             return outcome == SETTLED  # settled: the post-park check sweeps it
         self._token_of[fence] = token
-        self._fence_of[token] = weakref.ref(fence, lambda _, t=token: self._fence_of.pop(t, None))
+        self._fence_of[token] = weakref.ref(fence, functools.partial(self._forget_token, token))
         return True
+
+    def _forget_token(self, token: int, _dead: object) -> None:
+        """A fence with an armed signal was collected: its token means nothing now."""
+        self._fence_of.pop(token, None)
 
     def _on_readable(self) -> None:
         """The mailbox fd is readable: some signals fired."""
@@ -461,7 +475,10 @@ class _ThreadParking:
         fences, self._unpark_soon = self._unpark_soon, set()
         watcher = self._current_watcher()
         for fence in fences:
-            watcher.unpark(fence, self._mailbox)
+            try:
+                watcher.unpark(fence, self._mailbox)
+            except Exception:  # the others are still unparked
+                _logger.exception("unparking %r raised; the others go on", fence)
 
 
 # -- the poller --------------------------------------------------------------------------------
@@ -489,6 +506,7 @@ class Poller:
         self._ticks = 0
         self._queries = 0
         self._tick_seconds = 0.0
+        self._warned_unparkable = False
 
     # -- for the drivers and the drop queue ------------------------------------------------
 
@@ -512,22 +530,18 @@ class Poller:
     # -- waits -------------------------------------------------------------------------------
 
     def add(self, fence: Fence, waiter: Waiter, strategy: Strategy) -> None:
-        """Register ``waiter`` to be woken once ``fence`` settles.
+        """Register ``waiter`` to be woken once ``fence`` settles. Never raises.
 
-        Raises:
-            Exception: Parking failed (a thread that cannot start, say);
-                ``waiter`` is not registered.
+        Where a fence cannot be parked (a thread that cannot start, say), it
+        is polled instead: the wait is slower, never lost.
         """
-        waiters = self._waiters.setdefault(fence, {})
-        waiters[waiter] = strategy
+        self._waiters.setdefault(fence, {})[waiter] = strategy
         self._waiter_count += 1
         if strategy == "park":
-            try:
-                self._park(fence)
-            except BaseException:
-                self.discard(fence, waiter)
-                raise
-            return
+            if self._park(fence):
+                return
+            strategy = "poll"  # polled instead, for as long as it waits
+            self._waiters[fence][waiter] = strategy
         if strategy == "poll":
             self._eager[fence] = self._eager.get(fence, 0) + 1
             self._auto_only.discard(fence)
@@ -568,11 +582,19 @@ class Poller:
         if self._parking is not None:
             self._parking.unpark(fence)
 
-    def _park(self, fence: Fence) -> None:
-        parking = self._parking
-        if parking is None:
-            parking = self._parking = self._new_parking()
-        parking.park(fence)
+    def _park(self, fence: Fence) -> bool:
+        """Park ``fence``; False if it cannot be (then it must be polled)."""
+        try:
+            parking = self._parking
+            if parking is None:
+                parking = self._parking = self._new_parking()
+            parking.park(fence)
+        except Exception as error:
+            if not self._warned_unparkable:
+                self._warned_unparkable = True
+                _logger.warning("cannot park fences on this loop (%s); polling them instead", error)
+            return False
+        return True
 
     def _new_parking(self) -> _NativeParking | _ThreadParking:
         native = shim()
@@ -615,11 +637,10 @@ class Poller:
         # batch a tick, so that parking thousands never stalls the loop.
         for _ in range(min(len(self._auto_only), _PARK_BATCH)):
             fence = self._auto_only.pop()
-            self._polled.discard(fence)
-            try:
-                self._park(fence)
-            except Exception as error:  # no way to park: its waiters get the error
-                self._wake_all(fence, error)
+            if self._park(fence):
+                self._polled.discard(fence)
+            else:  # polled on, as if its waits had asked for it
+                self._eager[fence] = self._eager.get(fence, 0) + 1
         if self._auto_only:
             return 0.0
         if not self._polled:

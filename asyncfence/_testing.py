@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, final
 
@@ -19,6 +21,19 @@ __all__ = ["StreamGate", "hold"]
 _FLAGS_PER_PAGE = 1024
 _flag_pages: dict[int, tuple[int, int, int]] = {}  # context -> (host, device, next slot)
 _flag_lock = threading.Lock()
+_gates: weakref.WeakSet[StreamGate] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # Another thread of the parent may have held them at the fork.
+    global _flag_lock
+    _flag_lock = threading.Lock()
+    for gate in list(_gates):
+        gate._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _opencl_gate(stream: Any) -> tuple[Callable[[], None], Callable[[int], None], object]:
@@ -90,7 +105,7 @@ class StreamGate:
     thread; the first call decides.
     """
 
-    __slots__ = ("_fail", "_keep", "_lock", "_open", "_release", "stream")
+    __slots__ = ("__weakref__", "_fail", "_keep", "_lock", "_open", "_release", "stream")
 
     def __init__(self, stream: object) -> None:
         #: The stream the gate holds.
@@ -100,6 +115,7 @@ class StreamGate:
         self._release, self._fail, self._keep = make(stream)
         self._lock = threading.Lock()
         self._open = False
+        _gates.add(self)
 
     @property
     def held(self) -> bool:
@@ -120,15 +136,20 @@ class StreamGate:
         """Fail the gate with a negative OpenCL status; the failure propagates.
 
         Every fence recorded on the queue after the gate fails with a
-        :class:`~asyncfence.DeviceError`. A no-op once released or failed.
+        :class:`~asyncfence.DeviceError`. PoCL reports every such failure as
+        ``-1`` (``CL_FAILED``), whatever ``code`` was set. A no-op once
+        released or failed.
 
         Raises:
+            TypeError: ``code`` is not an int.
             ValueError: ``code`` is not negative.
             NotImplementedError: The stream is a CUDA stream, which the host
                 cannot fail.
         """
+        if isinstance(code, bool) or not isinstance(code, int):
+            raise TypeError(f"code must be a negative int, got {type(code).__qualname__}")
         if code >= 0:
-            raise ValueError(f"a failure code must be negative, got {code}")
+            raise ValueError(f"code must be a negative int, got {code}")
         with self._lock:
             if self._open:
                 return

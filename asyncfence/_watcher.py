@@ -286,6 +286,7 @@ class Watcher:
 
     def _watch(self) -> None:
         idle_since: float | None = None
+        pruned_at = time.monotonic()
         while True:
             config = current_config()
             timeout = config.poll_cap if self._unsignalled else config.recheck_interval
@@ -299,11 +300,14 @@ class Watcher:
                 if self._stopping:
                     self._thread = None
                     return
-                if self._saw_closed_target:
+                now = time.monotonic()
+                # Loops that went away without a post noticing (their pollers
+                # collected): looked for once per re-check interval.
+                if self._saw_closed_target or now - pruned_at >= config.recheck_interval:
+                    pruned_at = now
                     self._drop_closed_targets()
                 self._parked.sweep(collect)
                 to_arm = self._claim_signals(self._parked.heads())
-                now = time.monotonic()
                 if self._parked or settled:
                     idle_since = None
                 elif idle_since is None:

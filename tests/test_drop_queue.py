@@ -20,7 +20,7 @@ from asyncfence.testing import hold
 from .conftest import let_loop_run, until
 
 if sys.version_info < (3, 11):
-    from exceptiongroup import ExceptionGroup
+    from exceptiongroup import BaseExceptionGroup, ExceptionGroup
 
 if TYPE_CHECKING:
     import pyopencl as cl
@@ -144,6 +144,79 @@ async def test_a_free_that_raises_is_isolated(
     assert any("free(Buffer('bad')) failed" in record.getMessage() for record in caplog.records)
     await dq.drain()  # the errors were reported once
     await dq.aclose()
+
+
+class NotAnException(BaseException):
+    """A BaseException a buggy free() might raise."""
+
+
+@pytest.mark.parametrize("raised", [NotAnException, KeyboardInterrupt, SystemExit])
+async def test_a_free_raising_a_base_exception_is_isolated_too(
+    queue: cl.CommandQueue, raised: type[BaseException]
+) -> None:
+    def broken(buffer: Buffer) -> None:
+        raise raised(f"free of {buffer.name}")
+
+    dq = DropQueue()
+    good = Buffer("good")
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        dq.defer(fence, Buffer("bad"), free=broken)
+        dq.defer(fence, good, free=Buffer.free)  # another waiter on the same fence
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fence.wait)  # and a task
+            gate.release()
+    assert good.freed == 1  # the others went on
+    with anyio.fail_after(10):  # never a hang
+        if raised is NotAnException:
+            with pytest.raises(BaseExceptionGroup) as group:
+                await dq.drain()
+            assert [type(error) for error in group.value.exceptions] == [NotAnException]
+        else:  # surfaced as itself, never swallowed
+            with pytest.raises(raised):
+                await dq.drain()
+        await dq.drain()  # reported once
+        stats = dq.statistics()
+        assert (stats.released, stats.failed_frees, stats.pending_items) == (2, 1, 0)
+        await dq.aclose()
+
+
+async def test_an_on_fault_raising_a_base_exception_keeps_the_object(
+    queue: cl.CommandQueue,
+) -> None:
+    def on_fault(buffer: Buffer, error: BaseException) -> None:
+        raise NotAnException("on_fault broke")
+
+    dq = DropQueue(on_fault=on_fault)
+    kept, other = Buffer("kept"), Buffer("other")
+    with hold(queue) as gate:
+        dq.defer(asyncfence.record(queue), kept, free=Buffer.free)
+        gate.fail()
+    with anyio.fail_after(10):
+        await dq.drain()
+    assert [obj for obj, _ in dq.faulted] == [kept]
+    assert kept.freed == 0
+    dq.defer([], other, free=Buffer.free)
+    await dq.aclose()
+    assert other.freed == 1
+
+
+async def test_a_close_that_raises_still_closes(queue: cl.CommandQueue) -> None:
+    def broken(buffer: Buffer) -> None:
+        raise OSError("cannot free")
+
+    dq = DropQueue()
+    dq.defer(asyncfence.record(queue), Buffer("bad"), free=broken)
+    with pytest.raises(ExceptionGroup):
+        await dq.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        dq.defer([], Buffer("late"))
+    other = DropQueue()
+    with pytest.raises(ExceptionGroup):
+        async with other:
+            other.defer(asyncfence.record(queue), Buffer("bad"), free=broken)
+    with pytest.raises(RuntimeError, match="closed"):
+        other.defer([], Buffer("late"))
 
 
 async def test_a_fault_goes_to_on_fault_not_free(queue: cl.CommandQueue) -> None:
@@ -437,6 +510,31 @@ async def test_staging_pool_retires_buffers_of_failed_work(queue: cl.CommandQueu
     with pytest.raises(RuntimeError, match="lost to a device fault"):
         await pool.acquire()
     await pool.aclose()
+
+
+async def test_a_staging_pool_made_outside_a_loop_gets_buffers_back_from_threads(
+    queue: cl.CommandQueue,
+) -> None:
+    pool = await anyio.to_thread.run_sync(lambda: StagingPool(lambda: bytearray(8), 1))
+    buffer = await pool.acquire()
+    fence = asyncfence.record(queue)
+    await anyio.to_thread.run_sync(pool.release_after, fence, buffer)  # from a worker thread
+    with anyio.fail_after(10):
+        assert await pool.acquire() is buffer
+    pool.release_after([], buffer)
+    await pool.aclose()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"make": 5, "count": 1}, "make must be callable"),
+        ({"make": bytearray, "count": 1, "dispose": 5}, "dispose must be None or callable"),
+    ],
+)
+def test_a_staging_pool_refuses_what_is_not_callable(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        StagingPool(**kwargs)
 
 
 # -- CUDA --------------------------------------------------------------------------------

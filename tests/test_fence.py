@@ -215,6 +215,20 @@ async def test_bad_timeouts_are_refused(
         fence.wait_sync(timeout=bad)  # type: ignore[arg-type]
 
 
+async def test_a_timeout_beyond_a_float_means_no_limit(queue: cl.CommandQueue) -> None:
+    huge = 10**400  # float(huge) overflows
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        with anyio.move_on_after(0.01) as scope:
+            await fence.wait(timeout=huge)
+        assert scope.cancelled_caught  # still waiting: no limit, and no OverflowError
+        with pytest.raises(TimeoutError):
+            fence.wait_sync(timeout=0.001)
+        gate.release()
+    fence.wait_sync(timeout=huge)
+    await fence.wait(timeout=huge)
+
+
 # -- failures -------------------------------------------------------------------
 
 
@@ -388,17 +402,57 @@ async def test_enqueue_wait_on_a_done_fence_adds_nothing(device: OpenCLDevice) -
     await asyncfence.record(second)
 
 
-def test_enqueue_wait_refuses_other_streams(device: OpenCLDevice) -> None:
+@pytest.mark.parametrize("state", ["pending", "done"])
+def test_enqueue_wait_refuses_other_streams(device: OpenCLDevice, state: str) -> None:
     import pyopencl as cl
 
+    # Whatever the fence's state: whether bad input raises must not depend on
+    # how fast the device was.
     queue = device.new_stream()
-    with hold(queue):
+    with hold(queue) as gate:
         fence = asyncfence.record(queue)
-        with pytest.raises(TypeError, match=r"pyopencl\.CommandQueue"):
+        if state == "done":
+            gate.release()
+            fence.wait_sync(timeout=30)
+        with pytest.raises(TypeError, match=r"OpenCL fences .* pyopencl\.CommandQueue"):
             fence.enqueue_wait(object())
         other_context = cl.CommandQueue(cl.Context(device.context.devices))
         with pytest.raises(ValueError, match="context"):
             fence.enqueue_wait(other_context)
+
+
+def test_a_driver_call_never_holds_up_settling_other_fences(
+    device: OpenCLDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from asyncfence._backend import backend_for
+
+    first, second, target = device.new_stream(), device.new_stream(), device.new_stream()
+    backend = backend_for(first)
+    inside, leave = threading.Event(), threading.Event()
+    real_stream_wait = backend.stream_wait
+
+    def slow_stream_wait(marker: object, origin: object, stream: object) -> None:
+        inside.set()
+        leave.wait(30)  # a driver call that takes its time
+        real_stream_wait(marker, origin, stream)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend, "stream_wait", slow_stream_wait)
+    with hold(first) as gate:
+        waited_on = asyncfence.record(first)
+        other = asyncfence.record(second)
+        thread = threading.Thread(target=waited_on.enqueue_wait, args=(target,))
+        thread.start()
+        try:
+            assert inside.wait(30)
+            other.wait_sync(timeout=30)  # settles while the driver call is under way
+            assert other.done()
+        finally:
+            leave.set()
+            thread.join(30)
+            gate.release()
+    waited_on.wait_sync(timeout=30)
 
 
 # -- lifetime -------------------------------------------------------------------
