@@ -15,6 +15,7 @@ from ._drop_queue import DropQueue
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
+    from types import ModuleType
 
     from ._fence import Fence
 
@@ -28,12 +29,19 @@ T = TypeVar("T")
 
 
 class _CudaAllocation:
-    """Memory from the CUDA driver, freed once, by :meth:`free`."""
+    """Memory from the CUDA driver, freed once, by :meth:`free`.
 
-    __slots__ = ("_address", "_lock", "nbytes")
+    It remembers the context that was current when it was allocated: the
+    driver frees memory only with a context current, so :meth:`free` makes
+    that one current around the call, on whichever thread frees it (a drop
+    queue's loop, a worker thread).
+    """
 
-    def __init__(self, address: int, nbytes: int) -> None:
+    __slots__ = ("_address", "_context", "_lock", "nbytes")
+
+    def __init__(self, address: int, nbytes: int, context: int) -> None:
         self._address = address
+        self._context = context
         self.nbytes = nbytes
         self._lock = threading.Lock()
 
@@ -53,15 +61,29 @@ class _CudaAllocation:
         """Whether :meth:`free` has run."""
         return not self._address
 
-    def _release(self, address: int) -> None:
+    def _release(self, drv: ModuleType, address: int) -> None:
         raise NotImplementedError
 
     def free(self) -> None:
-        """Give the memory back to the driver. A no-op the second time. Thread-safe."""
+        """Give the memory back to the driver. A no-op the second time. Thread-safe.
+
+        Raises:
+            DeviceError: Its context could not be made current (it was
+                destroyed, say), or the driver refused the free.
+        """
+        from ._cuda import driver, pop_context, push_context
+
         with self._lock:
             address, self._address = self._address, 0
-        if address:
-            self._release(address)
+        if not address:
+            return
+        drv = driver()
+        pushed = push_context(drv, self._context, "the allocation's")
+        try:
+            self._release(drv, address)
+        finally:
+            if pushed:
+                pop_context(drv)
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else hex(self._address)
@@ -71,8 +93,8 @@ class _CudaAllocation:
 def _check_nbytes(nbytes: object) -> int:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise TypeError(f"nbytes must be an int, got {type(nbytes).__qualname__}")
-    if nbytes < 1:
-        raise ValueError(f"nbytes must be at least 1, got {nbytes}")
+    if not 1 <= nbytes <= sys.maxsize:
+        raise ValueError(f"nbytes must be in [1, {sys.maxsize}], got {nbytes}")
     return nbytes
 
 
@@ -85,7 +107,8 @@ class PinnedBuffer(_CudaAllocation):
     :class:`DropQueue` with ``free=PinnedBuffer.free`` behind the copy that
     reads it.
 
-    Thread-safety: :meth:`free` may be called from any thread, once or more.
+    Thread-safety: :meth:`free` may be called from any thread, once or more,
+    with or without a current context: it makes the allocation's own current.
 
     Args:
         nbytes: Its size.
@@ -96,17 +119,18 @@ class PinnedBuffer(_CudaAllocation):
     """
 
     def __init__(self, nbytes: int) -> None:
-        from ._cuda import check, driver
+        from ._cuda import check, current_context, driver
 
         size = _check_nbytes(nbytes)
         drv = driver()
         flags = drv.CU_MEMHOSTALLOC_PORTABLE | drv.CU_MEMHOSTALLOC_DEVICEMAP
-        super().__init__(int(check(drv.cuMemHostAlloc(size, flags), "cuMemHostAlloc")), size)
+        address = int(check(drv.cuMemHostAlloc(size, flags), "cuMemHostAlloc"))
+        super().__init__(address, size, current_context(drv))
 
-    def _release(self, address: int) -> None:
-        from ._cuda import check, driver
+    def _release(self, drv: ModuleType, address: int) -> None:
+        from ._cuda import check
 
-        check(driver().cuMemFreeHost(address), "cuMemFreeHost")
+        check(drv.cuMemFreeHost(address), "cuMemFreeHost")
 
     def view(self) -> memoryview:
         """A writable byte view of the buffer; do not use it after :meth:`free`."""
@@ -120,7 +144,8 @@ class DeviceBuffer(_CudaAllocation):
     ``free`` is ``cuMemFree``, which may wait for the device: behind a
     :class:`DropQueue` the work that used the memory is already done.
 
-    Thread-safety: :meth:`free` may be called from any thread, once or more.
+    Thread-safety: :meth:`free` may be called from any thread, once or more,
+    with or without a current context: it makes the allocation's own current.
 
     Args:
         nbytes: Its size.
@@ -131,15 +156,17 @@ class DeviceBuffer(_CudaAllocation):
     """
 
     def __init__(self, nbytes: int) -> None:
-        from ._cuda import check, driver
+        from ._cuda import check, current_context, driver
 
         size = _check_nbytes(nbytes)
-        super().__init__(int(check(driver().cuMemAlloc(size), "cuMemAlloc")), size)
+        drv = driver()
+        address = int(check(drv.cuMemAlloc(size), "cuMemAlloc"))
+        super().__init__(address, size, current_context(drv))
 
-    def _release(self, address: int) -> None:
-        from ._cuda import check, driver
+    def _release(self, drv: ModuleType, address: int) -> None:
+        from ._cuda import check
 
-        check(driver().cuMemFree(address), "cuMemFree")
+        check(drv.cuMemFree(address), "cuMemFree")
 
 
 @final
@@ -171,6 +198,10 @@ class StagingPool(Generic[T]):
         *,
         dispose: Callable[[T], object] | None = None,
     ) -> None:
+        if not callable(make):
+            raise TypeError(f"make must be callable, got {type(make).__qualname__}")
+        if dispose is not None and not callable(dispose):
+            raise TypeError(f"dispose must be None or callable, got {type(dispose).__qualname__}")
         if isinstance(count, bool) or not isinstance(count, int):
             raise TypeError(f"count must be an int, got {type(count).__qualname__}")
         if count < 1:
@@ -208,6 +239,9 @@ class StagingPool(Generic[T]):
             RuntimeError: The pool is closed, or every buffer was lost to
                 device faults.
         """
+        # Binds the returns to this loop, if the pool was made outside one:
+        # buffers handed back from other threads then reach it.
+        self._returns._bind()
         await anyio.lowlevel.checkpoint()
         while not self._free or self._closed:
             if self._closed:

@@ -1,29 +1,44 @@
 """The CUDA backend: against the emulated driver in CI, the real one on a GPU.
 
 Each run's header says which driver it used. Tests that need the emulator's
-hooks (faults, live-object counts) skip on a real driver.
+hooks (faults, live-object counts), and those that pass handles a real driver
+would take as undefined behaviour (a destroyed stream, say), skip on a real
+driver.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
-from typing import TYPE_CHECKING, Any
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import pytest
 
 import asyncfence
-from asyncfence import DeviceError
+from asyncfence import DeviceBuffer, DeviceError, DropQueue, FenceError, PinnedBuffer, StagingPool
 from asyncfence._backend import backend_for
-from asyncfence._cuda import CudaBackend
+from asyncfence._cuda import CudaBackend, current_context
 from asyncfence.testing import hold
 
 from .conftest import let_loop_run, until
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
     from asyncfence._devices import CudaDevice
 
     from .cuda_emulator import Emulator
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 # Every test here runs under each strategy: the semantics do not depend on it.
@@ -144,7 +159,8 @@ def test_out_of_range_handles_are_refused(cuda_mode: str, handle: int) -> None:
         asyncfence.record(handle)
 
 
-def test_a_destroyed_stream_is_a_device_error(cuda_device: CudaDevice) -> None:
+def test_a_destroyed_stream_is_a_device_error(cuda_device: CudaDevice, emulator: Emulator) -> None:
+    # Emulator only: a real driver documents a destroyed handle as undefined behaviour.
     from cuda.bindings import driver
 
     stream = cuda_device.new_stream()
@@ -154,6 +170,15 @@ def test_a_destroyed_stream_is_a_device_error(cuda_device: CudaDevice) -> None:
         asyncfence.record(handle)
     assert caught.value.backend == "cuda"
     assert caught.value.name == "CUDA_ERROR_INVALID_HANDLE"
+
+
+def test_the_emulated_driver_is_the_version_asked_for(emulator: Emulator) -> None:
+    """CI runs this file on both: 13.2 (the default) and 13.0 (no cuLaunchHostFunc_v2)."""
+    from cuda.bindings import driver
+
+    expected = int(os.environ.get("ASYNCFENCE_EMULATED_DRIVER_VERSION", "13020"))
+    assert driver.cuDriverGetVersion()[1] == expected
+    assert cuda_backend().host_functions().path == ("v2" if expected >= 13020 else "v1")
 
 
 def test_fail_is_not_possible_on_a_cuda_gate(cuda_stream: Any) -> None:
@@ -332,3 +357,710 @@ async def test_a_fault_in_the_middle_of_a_stream(
             after.wait_sync(timeout=30)
     finally:
         emulator.clear_fault(int(cuda_device.context))
+
+
+# -- CUDA graph capture (the emulator's model of it) ----------------------------------
+
+GRAPH_ADVICE = ("cuStreamEndCapture", "cuGraphLaunch", "docs/graphs.md")
+
+
+def begin_capture(stream: Any, mode: str = "GLOBAL") -> None:
+    from cuda.bindings import driver
+
+    chosen = getattr(driver.CUstreamCaptureMode, f"CU_STREAM_CAPTURE_MODE_{mode}")
+    assert driver.cuStreamBeginCapture(stream, chosen)[0] == 0
+
+
+def end_capture(stream: Any) -> tuple[int, Any]:
+    """End the capture begun on ``stream``: the CUresult code, and the graph (or None)."""
+    from cuda.bindings import driver
+
+    err, graph = driver.cuStreamEndCapture(stream)
+    return int(err), graph if err == 0 else None
+
+
+def capture_status(stream: Any) -> int:
+    from cuda.bindings import driver
+
+    err, status = driver.cuStreamIsCapturing(stream)
+    assert err == 0
+    return int(status)
+
+
+def destroy_graph(graph: Any) -> None:
+    from cuda.bindings import driver
+
+    assert driver.cuGraphDestroy(graph)[0] == 0
+
+
+def relaxed_query(event: Any) -> int:
+    """``cuEventQuery`` in relaxed capture mode, which no capture refuses."""
+    from cuda.bindings import driver
+
+    relaxed = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    previous = driver.cuThreadExchangeStreamCaptureMode(relaxed)[1]
+    try:
+        return int(driver.cuEventQuery(event)[0])
+    finally:
+        driver.cuThreadExchangeStreamCaptureMode(previous)
+
+
+@pytest.fixture
+def blocking_stream(cuda_device: CudaDevice) -> Iterator[Any]:
+    """A blocking stream (flags 0): the legacy default stream synchronizes with it."""
+    from cuda.bindings import driver
+
+    stream = driver.cuStreamCreate(0)[1]
+    yield stream
+    driver.cuStreamDestroy(stream)  # also ends a capture a failed test left open
+
+
+def test_the_emulator_captures_instead_of_running(
+    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+) -> None:
+    """What the backend's refusal rests on: captured work and events never run."""
+    from cuda.bindings import driver
+
+    side = cuda_device.new_stream()
+    event = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)[1]
+    host = PinnedBuffer(64)
+    try:
+        begin_capture(cuda_stream)
+        assert driver.cuMemsetD8Async(host.address, 7, 64, cuda_stream)[0] == 0
+        assert driver.cuEventRecord(event, cuda_stream)[0] == 0
+        assert relaxed_query(event) == 907  # CUDA_ERROR_CAPTURED_EVENT
+        # A stream that waits for a captured event is pulled into the capture...
+        assert driver.cuStreamWaitEvent(side, event, 0)[0] == 0
+        assert capture_status(side) == 1  # ACTIVE
+        # ...and the capture fails unless it is joined back.
+        assert end_capture(cuda_stream) == (904, None)  # STREAM_CAPTURE_UNJOINED
+        assert capture_status(side) == capture_status(cuda_stream) == 0
+        assert driver.cuStreamSynchronize(cuda_stream)[0] == 0
+        assert bytes(host.view()) == bytes(64)  # the captured memset never ran
+        assert relaxed_query(event) == 907  # until it is recorded again, outside
+    finally:
+        host.free()
+        driver.cuEventDestroy(event)
+        driver.cuStreamDestroy(side)
+
+
+def test_the_emulator_replays_a_joined_capture(
+    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+) -> None:
+    from cuda.bindings import driver
+
+    side = cuda_device.new_stream()
+    fork, join = (
+        driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)[1] for _ in range(2)
+    )
+    host = PinnedBuffer(64)
+    try:
+        begin_capture(cuda_stream)
+        assert driver.cuEventRecord(fork, cuda_stream)[0] == 0
+        assert driver.cuStreamWaitEvent(side, fork, 0)[0] == 0
+        assert driver.cuMemsetD8Async(host.address, 5, 64, side)[0] == 0
+        assert driver.cuEventRecord(join, side)[0] == 0
+        assert driver.cuStreamWaitEvent(cuda_stream, join, 0)[0] == 0
+        err, graph = end_capture(cuda_stream)
+        assert err == 0
+        assert bytes(host.view()) == bytes(64)
+        err, executable = driver.cuGraphInstantiate(graph, 0)
+        assert err == 0
+        assert driver.cuGraphLaunch(executable, cuda_stream)[0] == 0
+        assert driver.cuStreamSynchronize(cuda_stream)[0] == 0
+        assert bytes(host.view()) == bytes([5] * 64)
+        assert driver.cuGraphExecDestroy(executable)[0] == 0
+        destroy_graph(graph)
+    finally:
+        host.free()
+        for event in (fork, join):
+            driver.cuEventDestroy(event)
+        driver.cuStreamDestroy(side)
+
+
+def test_the_emulator_guards_the_legacy_stream_and_unsafe_calls(
+    cuda_device: CudaDevice, blocking_stream: Any, emulator: Emulator
+) -> None:
+    from cuda.bindings import driver
+
+    event = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)[1]
+    try:
+        begin_capture(blocking_stream)
+        # Asking is harmless: STREAM_CAPTURE_IMPLICIT, and the capture stays valid.
+        assert driver.cuStreamIsCapturing(driver.CUstream(0))[0] == 906
+        assert end_capture(blocking_stream)[0] == 0
+        begin_capture(blocking_stream)
+        # Using the legacy stream invalidates the capture.
+        assert driver.cuEventRecord(event, driver.CUstream(1))[0] == 906
+        assert end_capture(blocking_stream) == (901, None)  # STREAM_CAPTURE_INVALIDATED
+        begin_capture(blocking_stream)
+        # In global mode, a query during a capture is refused and invalidates it.
+        assert driver.cuEventQuery(event)[0] == 900  # STREAM_CAPTURE_UNSUPPORTED
+        assert end_capture(blocking_stream) == (901, None)
+    finally:
+        driver.cuEventDestroy(event)
+
+
+def assert_refused_for_capture(caught: pytest.ExceptionInfo[FenceError], reason: str) -> None:
+    assert not isinstance(caught.value, DeviceError)  # not a failure of the work
+    message = str(caught.value)
+    assert reason in message
+    for advice in GRAPH_ADVICE:
+        assert advice in message
+
+
+def test_a_capturing_stream_refuses_a_fence(cuda_stream: Any, emulator: Emulator) -> None:
+    backend = cuda_backend()
+    asyncfence.record(cuda_stream).wait_sync(timeout=30)  # an event in the pool
+    pooled = backend.pooled_events()
+    created = emulator.events_created()
+    begin_capture(cuda_stream)
+    with pytest.raises(FenceError) as caught:
+        asyncfence.record(cuda_stream)
+    assert_refused_for_capture(caught, "cannot record a fence on a stream that is capturing")
+    assert backend.pooled_events() == pooled  # no event taken, none lost
+    assert emulator.events_created() == created
+    err, graph = end_capture(cuda_stream)
+    assert err == 0  # the capture is untouched: nothing joined, nothing invalidated
+    destroy_graph(graph)
+
+
+@pytest.mark.parametrize("handle", [0, 1])
+def test_the_legacy_stream_refuses_a_fence_while_a_blocking_stream_captures(
+    blocking_stream: Any, cuda_stream: Any, emulator: Emulator, handle: int
+) -> None:
+    begin_capture(blocking_stream)
+    with pytest.raises(FenceError) as caught:
+        asyncfence.record(handle)
+    assert_refused_for_capture(caught, "legacy default stream")
+    # Streams that do not synchronize with the capture still take fences.
+    asyncfence.record(cuda_stream).wait_sync(timeout=30)
+    asyncfence.record(2).wait_sync(timeout=30)  # the per-thread default stream
+    err, graph = end_capture(blocking_stream)
+    assert err == 0  # not invalidated: asyncfence asked, it did not use the legacy stream
+    destroy_graph(graph)
+    asyncfence.record(handle).wait_sync(timeout=30)
+
+
+async def test_after_the_capture_fences_record_and_follow_the_graph(
+    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+) -> None:
+    """The documented pattern: the fence goes on the launch stream, after cuGraphLaunch."""
+    from cuda.bindings import driver
+
+    host = PinnedBuffer(64)
+    try:
+        begin_capture(cuda_stream)
+        assert driver.cuMemsetD8Async(host.address, 9, 64, cuda_stream)[0] == 0
+        err, graph = end_capture(cuda_stream)
+        assert err == 0
+        await asyncfence.record(cuda_stream)  # recording works again at once
+        executable = driver.cuGraphInstantiate(graph, 0)[1]
+        with hold(cuda_stream) as gate:
+            assert driver.cuGraphLaunch(executable, cuda_stream)[0] == 0
+            fence = asyncfence.record(cuda_stream)
+            await let_loop_run()
+            assert not fence.done()
+            assert bytes(host.view()) == bytes(64)
+            gate.release()
+            await fence
+        assert bytes(host.view()) == bytes([9] * 64)  # the graph's work, done
+        driver.cuGraphExecDestroy(executable)
+        destroy_graph(graph)
+    finally:
+        host.free()
+
+
+def test_enqueue_wait_refuses_a_capturing_stream(
+    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+) -> None:
+    from cuda.bindings import driver
+
+    capturing = cuda_device.new_stream()
+    try:
+        fence = asyncfence.record(cuda_stream)
+        begin_capture(capturing)
+        with pytest.raises(FenceError) as caught:
+            fence.enqueue_wait(capturing)
+        assert_refused_for_capture(caught, "cannot make a fence wait on a stream that is capturing")
+        err, graph = end_capture(capturing)
+        assert err == 0
+        destroy_graph(graph)
+        fence.enqueue_wait(capturing)  # after the capture: fine
+    finally:
+        driver.cuStreamDestroy(capturing)
+
+
+@pytest.mark.parametrize("where", ["this thread", "another thread"])
+async def test_waiting_during_a_capture_leaves_it_valid(
+    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator, where: str
+) -> None:
+    """Polls and parked waits query events: in relaxed mode, never refused by a capture.
+
+    In the default (global) capture mode a plain query, on the capturing
+    thread or any other, would be refused and invalidate the capture.
+    """
+    from cuda.bindings import driver
+
+    capturing = cuda_device.new_stream()
+    started, finish = threading.Event(), threading.Event()
+    result: dict[str, int] = {}
+
+    def capture_elsewhere() -> None:
+        cuda_device.make_current()
+        begin_capture(capturing)
+        started.set()
+        finish.wait(30)
+        err, graph = end_capture(capturing)
+        result["end"] = err
+        if graph is not None:
+            destroy_graph(graph)
+
+    thread = threading.Thread(target=capture_elsewhere)
+    try:
+        with hold(cuda_stream) as gate:
+            fence = asyncfence.record(cuda_stream)
+            if where == "this thread":
+                begin_capture(capturing)
+            else:
+                thread.start()
+                await anyio.to_thread.run_sync(started.wait, 30)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fence.wait)
+                await until(lambda: asyncfence.current_statistics().waiters == 1)
+                await let_loop_run()  # polls, or a parked wait's signal and rechecks
+                assert not fence.done()
+                gate.release()
+            if where == "this thread":
+                err, graph = end_capture(capturing)
+                result["end"] = err
+                destroy_graph(graph)
+            else:
+                finish.set()
+                await anyio.to_thread.run_sync(thread.join, 30)
+        assert result == {"end": 0}
+    finally:
+        finish.set()
+        driver.cuStreamDestroy(capturing)
+
+
+async def test_the_drop_queue_never_defers_into_a_capture(
+    cuda_stream: Any, emulator: Emulator
+) -> None:
+    freed: list[object] = []
+    kept = object()
+    async with DropQueue() as dq:
+        begin_capture(cuda_stream)
+        with pytest.raises(FenceError, match="capturing a CUDA graph"):
+            dq.defer(asyncfence.record(cuda_stream), kept, free=freed.append)
+        assert dq.statistics().pending_items == 0  # nothing waits on a captured event
+        err, graph = end_capture(cuda_stream)
+        assert err == 0
+        destroy_graph(graph)
+        dq.defer(asyncfence.record(cuda_stream), kept, free=freed.append)
+        await dq.drain(timeout=30)
+    assert freed == [kept]
+
+
+async def test_a_staging_pool_never_defers_into_a_capture(
+    cuda_stream: Any, emulator: Emulator
+) -> None:
+    pool = StagingPool(lambda: bytearray(16), 2)
+    buffer = await pool.acquire()
+    begin_capture(cuda_stream)
+    with pytest.raises(FenceError, match="capturing a CUDA graph"):
+        pool.release_after(asyncfence.record(cuda_stream), buffer)
+    assert pool._returns.statistics().pending_items == 0
+    assert pool.available == 1  # the buffer stays with its taker
+    err, graph = end_capture(cuda_stream)
+    assert err == 0
+    destroy_graph(graph)
+    pool.release_after(asyncfence.record(cuda_stream), buffer)
+    await until(lambda: pool.available == 2)
+    await pool.aclose()
+
+
+# -- contexts: default streams from any thread, per-thread streams, frees ------------
+
+
+class _TorchDevice:
+    def __init__(self, index: int) -> None:
+        self.type = "cuda"
+        self.index = index
+
+
+class FakeTorchStream:
+    """Looks like ``torch.cuda.current_stream()``: handle 0, and its device."""
+
+    def __init__(self, handle: int, device: int) -> None:
+        self.cuda_stream = handle
+        self.device = _TorchDevice(device)
+
+
+class FakeCupyStream:
+    """Looks like a ``cupy.cuda.Stream``."""
+
+    def __init__(self, handle: int, device: int) -> None:
+        self.ptr = handle
+        self.device_id = device
+
+
+class _CoreDevice:
+    def __init__(self, device_id: int) -> None:
+        self.device_id = device_id
+
+
+class FakeCoreStream:
+    """Looks like a cuda.core ``Stream``."""
+
+    def __init__(self, handle: int, device: int) -> None:
+        self._handle = handle
+        self.device = _CoreDevice(device)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._handle)
+
+
+FakeTorchStream.__module__ = "torch.cuda.streams"
+FakeCupyStream.__module__ = "cupy.cuda.stream"
+FakeCoreStream.__module__ = "cuda.core._stream"
+
+FAKE_STREAMS = [FakeTorchStream, FakeCupyStream, FakeCoreStream]
+
+
+def in_fresh_thread(function: Callable[[], T]) -> T:
+    """Run ``function`` on a new thread, which has no current context; return its result."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = function()
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive()
+    if "error" in outcome:
+        raise outcome["error"]
+    value: T = outcome["value"]
+    return value
+
+
+def primary_context(ordinal: int) -> int:
+    from asyncfence._devices import CudaDevice
+
+    return int(CudaDevice(ordinal).context)
+
+
+@pytest.mark.parametrize("kind", FAKE_STREAMS, ids=lambda kind: kind.__module__)
+@pytest.mark.parametrize("ordinal", [0, 1])
+def test_a_default_stream_that_names_its_device_records_from_any_thread(
+    cuda_device: CudaDevice, emulator: Emulator, kind: type, ordinal: int
+) -> None:
+    from cuda.bindings import driver
+
+    from asyncfence._devices import CudaDevice
+
+    device = CudaDevice(ordinal)
+    device.make_current()
+    try:
+        with hold(0) as gate:  # that device's legacy default stream, held
+            stream = kind(0, ordinal)
+
+            def record() -> tuple[asyncfence.Fence, int, int]:
+                before = current_context(driver)
+                fence = asyncfence.record(stream)
+                return fence, before, current_context(driver)
+
+            fence, before, after = in_fresh_thread(record)
+            assert before == after == 0  # pushed for the record, popped after
+            assert fence._marker.context == primary_context(ordinal)  # type: ignore[attr-defined]
+            assert not fence.done()  # on that device's default stream, behind the gate
+            gate.release()
+            fence.wait_sync(timeout=30)
+    finally:
+        cuda_device.make_current()
+
+
+def test_a_default_stream_of_another_device_than_the_current_one(
+    cuda_device: CudaDevice, emulator: Emulator
+) -> None:
+    fence = asyncfence.record(FakeTorchStream(0, 1))  # device 0 is current here
+    assert fence._marker.context == primary_context(1)  # type: ignore[attr-defined]
+    fence.wait_sync(timeout=30)
+    target = asyncfence.record(FakeCupyStream(2, 1))
+    fence.enqueue_wait(FakeTorchStream(0, 1))
+    target.wait_sync(timeout=30)
+
+
+def test_a_bare_default_handle_still_needs_a_current_context(
+    cuda_device: CudaDevice, emulator: Emulator
+) -> None:
+    with pytest.raises(DeviceError, match="names its device") as caught:
+        in_fresh_thread(lambda: asyncfence.record(0))
+    assert caught.value.name == "CUDA_ERROR_INVALID_CONTEXT"
+
+
+def test_enqueue_wait_on_a_default_stream_from_a_fresh_thread(
+    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+) -> None:
+    with hold(cuda_stream) as gate:
+        fence = asyncfence.record(cuda_stream)
+        in_fresh_thread(lambda: fence.enqueue_wait(FakeTorchStream(0, 0)))
+        later = asyncfence.record(0)  # the legacy stream now waits for the fence
+        assert not later.done()
+        gate.release()
+        later.wait_sync(timeout=30)
+
+
+def test_per_thread_default_streams_are_one_queue_per_thread(
+    cuda_device: CudaDevice, emulator: Emulator
+) -> None:
+    backend = cuda_backend()
+    ready, finish = threading.Event(), threading.Event()
+    theirs: dict[str, asyncfence.Fence] = {}
+
+    def other_thread() -> None:
+        cuda_device.make_current()
+        with hold(2) as gate:  # this thread's per-thread default stream, held
+            theirs["fence"] = asyncfence.record(2)
+            ready.set()
+            finish.wait(30)
+            gate.release()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        assert ready.wait(30)
+        ours = asyncfence.record(2)
+        assert ours._queue.key != theirs["fence"]._queue.key
+        assert backend.stream_key(2) == 2  # the record lock's key may stay shared
+        ours.wait_sync(timeout=30)  # another stream: not behind the held one
+        assert not theirs["fence"].done()
+    finally:
+        finish.set()
+        thread.join(30)
+    theirs["fence"].wait_sync(timeout=30)
+
+
+@pytest.mark.parametrize("per_thread", ["1", None], ids=["per-thread", "legacy"])
+def test_handle_0_in_per_thread_mode(cuda_mode: str, strategy: str, per_thread: str | None) -> None:
+    """With CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1, handle 0 is per thread, as 2 is."""
+    if cuda_mode != "emulated":
+        pytest.skip("sets the mode before the driver loads: a subprocess on the emulator")
+    from .cuda_emulator import build
+
+    env = {
+        **os.environ,
+        "ASYNCFENCE_CUDA_DRIVER": "none",
+        "LD_LIBRARY_PATH": f"{build().parent}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+    }
+    env.pop("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", None)
+    if per_thread is not None:
+        env["CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM"] = per_thread
+    code = textwrap.dedent(
+        f"""
+        import asyncio, json, threading
+        import asyncfence
+        from asyncfence._devices import CudaDevice
+        from asyncfence.testing import hold
+
+        asyncfence.configure(strategy={strategy!r})
+        device = CudaDevice(0)
+        device.make_current()
+        ours = hold(0)  # handle 0 of this thread, held
+        our_gate = ours.__enter__()
+        held = asyncfence.record(0)
+        same = asyncfence.record(2)
+        other = {{}}
+
+        def record_elsewhere():
+            device.make_current()
+            other["hold"] = hold(0)  # handle 0 of that thread, held too
+            other["gate"] = other["hold"].__enter__()
+            other["fence"] = asyncfence.record(0)
+
+        thread = threading.Thread(target=record_elsewhere)
+        thread.start()
+        thread.join()
+
+        async def main():
+            waiters = [asyncio.ensure_future(f.wait()) for f in (held, other["fence"])]
+            while asyncfence.current_statistics().waiters < 2:
+                await asyncio.sleep(0.001)
+            other["gate"].release()  # the other thread's stream runs on
+            if {per_thread is not None!r}:  # its own stream: its fence completes
+                finished, _ = await asyncio.wait({{waiters[1]}}, timeout=10)  # a hang guard
+                independent = waiters[1] in finished
+            else:  # one legacy stream, still behind our gate: surely not done
+                independent = other["fence"].done()
+            done = held.done()
+            our_gate.release()
+            await asyncio.gather(*waiters)
+            await same
+            return independent, done
+
+        independent, held_done = asyncio.run(main())
+        print(json.dumps({{
+            "independent": independent,
+            "held_done_early": held_done,
+            "keys_differ": held._queue.key != other["fence"]._queue.key,
+            "zero_is_two": held._queue.key == same._queue.key,
+        }}))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,  # a hang guard, not a timing assertion
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    if per_thread:
+        assert report == {
+            "independent": True,
+            "held_done_early": False,
+            "keys_differ": True,
+            "zero_is_two": True,
+        }
+    else:  # one legacy stream for every thread: the other thread's fence is behind the gate
+        assert report == {
+            "independent": False,
+            "held_done_early": False,
+            "keys_differ": False,
+            "zero_is_two": False,
+        }
+
+
+@pytest.mark.parametrize("kind", [PinnedBuffer, DeviceBuffer])
+def test_a_buffer_is_freed_from_a_thread_without_a_current_context(
+    cuda_device: CudaDevice, emulator: Emulator, kind: type[PinnedBuffer | DeviceBuffer]
+) -> None:
+    from cuda.bindings import driver
+
+    buffer = kind(256)
+    control = kind(256)
+    allocations = emulator.live_host_allocs()
+
+    def free() -> tuple[int, int, int]:
+        # As the real driver: a free with no current context is refused.
+        if kind is PinnedBuffer:
+            refused = int(driver.cuMemFreeHost(control.address)[0])
+        else:
+            refused = int(driver.cuMemFree(control.address)[0])
+        buffer.free()
+        return refused, current_context(driver), emulator.live_host_allocs()
+
+    refused, context_after, allocations_after = in_fresh_thread(free)
+    assert refused == 201  # CUDA_ERROR_INVALID_CONTEXT
+    assert buffer.freed
+    assert context_after == 0  # pushed for the free, popped after
+    if kind is PinnedBuffer:
+        assert allocations_after == allocations - 1
+    control.free()
+
+
+def test_a_drop_queue_on_a_thread_without_a_context_frees_buffers(
+    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+) -> None:
+    from cuda.bindings import driver
+
+    buffers: list[PinnedBuffer | DeviceBuffer] = [PinnedBuffer(64), DeviceBuffer(64)]
+    fence = asyncfence.record(cuda_stream)
+
+    async def main() -> int:
+        async with DropQueue() as dq:
+            for buffer in buffers:
+                dq.defer(fence, buffer, free=type(buffer).free)
+            await dq.drain(timeout=30)
+            return current_context(driver)
+
+    assert in_fresh_thread(lambda: asyncio.run(main())) == 0
+    assert all(buffer.freed for buffer in buffers)
+
+
+# -- bad input and fork ------------------------------------------------------------
+
+
+class BadProtocol:
+    def __init__(self, given: object) -> None:
+        self.given = given
+
+    def __cuda_stream__(self) -> object:
+        return self.given
+
+
+@pytest.mark.parametrize(
+    ("given", "error", "message"),
+    [
+        (5, TypeError, r"must give a \(version, handle\) tuple"),
+        ((0, 1, 2), TypeError, r"must give a \(version, handle\) tuple"),
+        (("0", 7), TypeError, "protocol version must be an int"),
+        ((1, 7), ValueError, "unsupported __cuda_stream__ protocol version 1"),
+        ((0, "abc"), TypeError, "handle must be an int, got str"),
+        ((0, 3.9), TypeError, "handle must be an int, got float"),
+        ((0, -1), ValueError, r"must be in \[0, 2\*\*64\)"),
+    ],
+)
+def test_a_malformed_cuda_stream_protocol_is_a_clear_error(
+    given: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        asyncfence.record(BadProtocol(given))
+
+
+@pytest.mark.parametrize("nbytes", [2**64, 0, -1])
+def test_buffer_sizes_out_of_range_are_refused_by_name(nbytes: int) -> None:
+    for kind in (asyncfence.PinnedBuffer, asyncfence.DeviceBuffer):
+        with pytest.raises(ValueError, match="nbytes must be in"):
+            kind(nbytes)
+
+
+def test_a_child_forked_during_driver_initialisation_gets_a_fence_error(
+    emulator: Emulator,
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from .cuda_emulator import build
+
+    code = """
+import os, threading
+from asyncfence import _cuda, FenceError
+real = _cuda._initialise
+inside, go = threading.Event(), threading.Event()
+def slow():
+    inside.set()
+    go.wait(30)
+    return real()
+_cuda._initialise = slow
+first = threading.Thread(target=_cuda.driver)
+first.start()
+assert inside.wait(30)  # the other thread is inside cuInit, holding the driver lock
+pid = os.fork()
+if pid == 0:
+    try:
+        _cuda.driver()
+    except FenceError as error:
+        os._exit(0 if "fork()" in str(error) else 2)
+    os._exit(1)
+_, status = os.waitpid(pid, 0)
+go.set()
+first.join(30)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+    env = {
+        **os.environ,
+        "ASYNCFENCE_CUDA_DRIVER": "none",
+        "LD_LIBRARY_PATH": f"{build().parent}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -21,7 +21,13 @@ SOURCE = Path(__file__).with_name("emulated_cuda.c")
 
 
 def build(directory: Path | None = None) -> Path:
-    """Compile the emulator (once per source version) and return the library's path."""
+    """Compile the emulator (once per source version) and return the library's path.
+
+    The cache key is the source alone: the emulator reads its settings
+    (``ASYNCFENCE_EMULATED_DRIVER_VERSION``, ``ASYNCFENCE_EMULATED_DEVICES``,
+    ``ASYNCFENCE_EMULATED_HIDE``) from the environment at run time, so one
+    build serves every setting.
+    """
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
     directory = directory or Path(tempfile.gettempdir()) / f"asyncfence-emulated-cuda-{digest}"
     library = directory / "libcuda.so.1"

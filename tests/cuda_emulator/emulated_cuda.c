@@ -10,7 +10,18 @@
  *     sticky: queries return it, queued work is dropped, host functions never
  *     run again (as the real driver documents for cuLaunchHostFunc);
  *   - cuStreamWaitValue32 / cuStreamWriteValue32 act on host memory;
- *   - "device" memory is host memory, so memsets are real work on the stream.
+ *   - "device" memory is host memory, so memsets are real work on the stream;
+ *   - handle 0 and 1 are the legacy default stream and 2 the calling thread's
+ *     per-thread default stream (0 too, once cuda.bindings resolved its entry
+ *     points for per-thread default streams: CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM);
+ *   - stream capture (cuStreamBeginCapture ... cuStreamEndCapture): work on a
+ *     capturing stream is not executed, events recorded there are captured
+ *     (CUDA_ERROR_CAPTURED_EVENT on query), a stream that waits for a captured
+ *     event joins the capture (EndCapture fails with UNJOINED unless it is
+ *     joined back), the legacy stream refuses work while a blocking stream of
+ *     its context captures (STREAM_CAPTURE_IMPLICIT), and "unsafe" calls
+ *     (queries, synchronizations, cuMemAlloc) are refused and invalidate the
+ *     capture as the capture modes say; graphs replay their captured memsets.
  * Test hooks (emu_*) hold and release streams, inject faults and count live
  * objects. Handles are validated against registries, so a stale or bogus
  * handle gives CUDA_ERROR_INVALID_HANDLE instead of a crash.
@@ -32,10 +43,20 @@ typedef void (*CUhostFn)(void *);
 enum {
     SUCCESS = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3,
     NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201,
-    INVALID_HANDLE = 400, NOT_FOUND = 500, NOT_READY = 600,
+    INVALID_HANDLE = 400, ILLEGAL_STATE = 401, NOT_FOUND = 500, NOT_READY = 600,
     ILLEGAL_ADDRESS = 700, LAUNCH_FAILED = 719, NOT_PERMITTED = 800,
-    NOT_SUPPORTED = 801,
+    NOT_SUPPORTED = 801, STREAM_CAPTURE_UNSUPPORTED = 900, STREAM_CAPTURE_INVALIDATED = 901,
+    STREAM_CAPTURE_UNMATCHED = 903, STREAM_CAPTURE_UNJOINED = 904,
+    STREAM_CAPTURE_ISOLATION = 905, STREAM_CAPTURE_IMPLICIT = 906, CAPTURED_EVENT = 907,
+    STREAM_CAPTURE_WRONG_THREAD = 908,
 };
+
+/* CUstreamCaptureMode, CUstreamCaptureStatus, CU_STREAM_NON_BLOCKING */
+enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
+enum { CAPTURE_NONE = 0, CAPTURE_ACTIVE = 1, CAPTURE_INVALIDATED = 2 };
+#define STREAM_NON_BLOCKING 1
+/* CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM */
+#define PROC_PER_THREAD_DEFAULT_STREAM 2
 
 #define MAX_DEVICES 8
 /* The version reported by default; ASYNCFENCE_EMULATED_DRIVER_VERSION (13000 for
@@ -44,11 +65,12 @@ enum {
 #define DEFAULT_DRIVER_VERSION 13020
 
 typedef struct stream stream_t;
+typedef struct capture capture_t;
 
 typedef struct context {
     int device;
     int sticky; /* 0, or the sticky error code */
-    stream_t *default_stream;
+    stream_t *default_stream; /* the legacy default stream */
 } context_t;
 
 typedef struct event {
@@ -58,6 +80,11 @@ typedef struct event {
     uint64_t done;   /* highest generation the stream has passed */
     uint64_t stamp_ns; /* when the stream passed it, for timing events */
     int refs;        /* the user's handle plus queued operations */
+    /* Last recorded in a capturing stream: never completes (CAPTURED_EVENT). */
+    int captured;
+    uint64_t capture_id;      /* the capture it was recorded in */
+    stream_t *capture_stream; /* compared, never dereferenced once the capture ended */
+    uint64_t capture_ops;     /* that stream's captured-operation count at the record */
 } event_t;
 
 typedef struct gate { int open; int refs; } gate_t;
@@ -85,8 +112,30 @@ struct stream {
     op_t *head, *tail;
     int busy;
     int destroyed;
+    unsigned flags;
+    int per_thread;       /* a per-thread default stream */
+    capture_t *capture;   /* the capture it takes part in, or NULL */
+    uint64_t capture_ops; /* operations captured from it so far */
+    int joined;           /* its captured work is joined back into the capture */
     pthread_cond_t wake;
 };
+
+/* An ongoing capture sequence: its origin stream, the streams it pulled in,
+ * and the memsets captured so far (all a graph of this emulator replays). */
+struct capture {
+    uint64_t id;
+    int mode;
+    pthread_t thread;
+    int invalidated;
+    stream_t *origin;
+    stream_t **members;
+    size_t n_members, cap_members;
+    op_t *head, *tail;
+    capture_t *next;
+};
+
+/* What cuStreamEndCapture returns, and its instantiations: the captured memsets. */
+typedef struct graph { op_t *head; } graph_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t progress = PTHREAD_COND_INITIALIZER;
@@ -157,6 +206,14 @@ static int ptrset_remove(ptrset_t *s, void *p) {
 }
 
 static ptrset_t live_stream_set, live_event_set, live_context_set;
+static ptrset_t per_thread_stream_set, graph_set, graph_exec_set;
+
+/* ---- capture state ------------------------------------------------------------ */
+
+static capture_t *captures; /* ongoing capture sequences */
+static uint64_t next_capture_id = 1;
+static int per_thread_mode; /* entry points were resolved for per-thread default streams */
+static __thread int thread_capture_mode = MODE_GLOBAL; /* cuThreadExchangeStreamCaptureMode */
 
 /* ---- helpers ---------------------------------------------------------------- */
 
@@ -181,13 +238,21 @@ static stream_t *new_stream_locked(context_t *ctx) {
     return s;
 }
 
-/* Resolve a stream handle; 0, 1 and 2 are the current context's default stream. */
+static stream_t *per_thread_stream_locked(context_t *ctx);
+
+/* Resolve a stream handle. 0 and 1 are the current context's legacy default
+ * stream, 2 the calling thread's per-thread default stream of that context
+ * (and 0 as well in per-thread mode, as the _ptsz entry points treat it). */
 static CUresult resolve_stream(void *handle, stream_t **out) {
     if (!initialized) return NOT_INITIALIZED;
     uintptr_t h = (uintptr_t)handle;
     if (h <= 2) {
         context_t *ctx = current_ctx();
         if (!ctx) return INVALID_CONTEXT;
+        if (h == 2 || (h == 0 && per_thread_mode)) {
+            *out = per_thread_stream_locked(ctx);
+            return *out ? SUCCESS : OUT_OF_MEMORY;
+        }
         if (!ctx->default_stream) ctx->default_stream = new_stream_locked(ctx);
         if (!ctx->default_stream) return OUT_OF_MEMORY;
         *out = ctx->default_stream;
@@ -224,6 +289,181 @@ static void event_unref_locked(event_t *e) {
 
 static void gate_unref_locked(gate_t *g) {
     if (--g->refs == 0) free(g);
+}
+
+static void drop_op_locked(op_t *op) {
+    switch (op->kind) {
+    case OP_RECORD: case OP_WAIT_EVENT: event_unref_locked(op->event); break;
+    case OP_GATE: gate_unref_locked(op->gate); break;
+    default: break;
+    }
+    free(op);
+}
+
+static void free_ops_locked(op_t *op) {
+    while (op) {
+        op_t *next = op->next;
+        drop_op_locked(op);
+        op = next;
+    }
+}
+
+/* ---- per-thread default streams ------------------------------------------------ */
+
+typedef struct { stream_t *streams[MAX_DEVICES]; } per_thread_t;
+static __thread per_thread_t *per_thread_streams;
+static pthread_key_t per_thread_key;
+static pthread_once_t per_thread_once = PTHREAD_ONCE_INIT;
+
+static void stream_leave_capture_locked(stream_t *s);
+
+/* At thread exit: the thread's per-thread default streams drain, then go. */
+static void per_thread_release(void *arg) {
+    per_thread_t *table = arg;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        stream_t *s = table->streams[i];
+        if (!s) continue;
+        stream_leave_capture_locked(s);
+        ptrset_remove(&per_thread_stream_set, s);
+        s->destroyed = 1;
+        pthread_cond_signal(&s->wake);
+    }
+    pthread_mutex_unlock(&mu);
+    free(table);
+}
+
+static void per_thread_key_init(void) { pthread_key_create(&per_thread_key, per_thread_release); }
+
+static stream_t *per_thread_stream_locked(context_t *ctx) {
+    if (!per_thread_streams) {
+        pthread_once(&per_thread_once, per_thread_key_init);
+        per_thread_streams = calloc(1, sizeof *per_thread_streams);
+        pthread_setspecific(per_thread_key, per_thread_streams);
+    }
+    stream_t **slot = &per_thread_streams->streams[ctx->device];
+    if (!*slot) {
+        *slot = new_stream_locked(ctx);
+        if (*slot) {
+            (*slot)->per_thread = 1;
+            ptrset_add(&per_thread_stream_set, *slot);
+        }
+    }
+    return *slot;
+}
+
+/* ---- stream capture ------------------------------------------------------------ */
+
+static capture_t *find_capture_locked(uint64_t id) {
+    for (capture_t *c = captures; c; c = c->next)
+        if (c->id == id) return c;
+    return NULL;
+}
+
+static void capture_add_member_locked(capture_t *c, stream_t *s) {
+    if (c->n_members == c->cap_members) {
+        c->cap_members = c->cap_members ? c->cap_members * 2 : 4;
+        c->members = realloc(c->members, c->cap_members * sizeof *c->members);
+    }
+    c->members[c->n_members++] = s;
+    s->capture = c;
+    s->capture_ops = 0;
+    s->joined = 0;
+}
+
+/* Every stream leaves capture mode; the capture is freed, its memsets
+ * handed to the caller (a graph) or dropped. */
+static op_t *end_capture_locked(capture_t *c) {
+    for (size_t i = 0; i < c->n_members; i++) {
+        c->members[i]->capture = NULL;
+        c->members[i]->capture_ops = 0;
+        c->members[i]->joined = 0;
+    }
+    for (capture_t **link = &captures; *link; link = &(*link)->next)
+        if (*link == c) { *link = c->next; break; }
+    op_t *ops = c->head;
+    free(c->members);
+    free(c);
+    return ops;
+}
+
+/* A destroyed or exiting stream: the capture it was the origin of ends, one it
+ * was pulled into is invalidated (it can never be joined back). */
+static void stream_leave_capture_locked(stream_t *s) {
+    capture_t *c = s->capture;
+    if (!c) return;
+    if (c->origin == s) {
+        free_ops_locked(end_capture_locked(c));
+        return;
+    }
+    for (size_t i = 0; i < c->n_members; i++)
+        if (c->members[i] == s) { c->members[i] = c->members[--c->n_members]; break; }
+    s->capture = NULL;
+    c->invalidated = 1;
+}
+
+static int stream_is_blocking(stream_t *s) { return s->per_thread || !(s->flags & STREAM_NON_BLOCKING); }
+
+static int is_legacy_stream(stream_t *s) { return s == s->ctx->default_stream; }
+
+/* The legacy stream synchronizes with every blocking stream of its context:
+ * while one of them captures, using it would make it depend on the capture. */
+static int legacy_implicit_locked(stream_t *s, int invalidate) {
+    if (!is_legacy_stream(s)) return 0;
+    int found = 0;
+    for (capture_t *c = captures; c; c = c->next) {
+        for (size_t i = 0; i < c->n_members; i++) {
+            if (c->members[i]->ctx == s->ctx && stream_is_blocking(c->members[i])) {
+                found = 1;
+                if (invalidate) c->invalidated = 1;
+                break;
+            }
+        }
+    }
+    return found;
+}
+
+/* "Potentially unsafe" calls (queries, synchronizations, cuMemAlloc) are refused
+ * on a thread whose capture mode prohibits them, and invalidate the capture
+ * sequences that prohibit them: in GLOBAL mode any GLOBAL capture of another
+ * thread, in GLOBAL or THREAD_LOCAL mode the thread's own non-RELAXED capture. */
+static CUresult unsafe_call_locked(void) {
+    if (thread_capture_mode == MODE_RELAXED) return SUCCESS;
+    pthread_t self = pthread_self();
+    CUresult r = SUCCESS;
+    for (capture_t *c = captures; c; c = c->next) {
+        int own = pthread_equal(c->thread, self);
+        if ((own && c->mode != MODE_RELAXED) ||
+            (!own && thread_capture_mode == MODE_GLOBAL && c->mode == MODE_GLOBAL)) {
+            c->invalidated = 1;
+            r = STREAM_CAPTURE_UNSUPPORTED;
+        }
+    }
+    return r;
+}
+
+/* Queue an operation: on a capturing stream it is captured instead (memsets
+ * kept for graph replay, the rest dropped) and *captured is set. */
+static CUresult submit_locked(stream_t *s, op_t *op, int *captured) {
+    if (captured) *captured = 0;
+    capture_t *c = s->capture;
+    if (c) {
+        if (c->invalidated) { drop_op_locked(op); return STREAM_CAPTURE_INVALIDATED; }
+        s->capture_ops++;
+        if (s != c->origin) s->joined = 0;
+        if (captured) *captured = 1;
+        if (op->kind == OP_MEMSET) {
+            op->next = NULL;
+            if (c->tail) c->tail->next = op; else c->head = op;
+            c->tail = op;
+        } else {
+            drop_op_locked(op);
+        }
+        return SUCCESS;
+    }
+    if (legacy_implicit_locked(s, 1)) { drop_op_locked(op); return STREAM_CAPTURE_IMPLICIT; }
+    enqueue_locked(s, op);
+    return SUCCESS;
 }
 
 static void sleep_ns(long ns) {
@@ -447,8 +687,11 @@ CUresult cuCtxSynchronize(void) {
     if (!initialized) return NOT_INITIALIZED;
     if (!ctx) return INVALID_CONTEXT;
     pthread_mutex_lock(&mu);
-    while (!ctx->sticky && !context_idle_locked(ctx)) pthread_cond_wait(&progress, &mu);
-    CUresult r = ctx->sticky;
+    CUresult r = unsafe_call_locked();
+    if (!r) {
+        while (!ctx->sticky && !context_idle_locked(ctx)) pthread_cond_wait(&progress, &mu);
+        r = ctx->sticky;
+    }
     pthread_mutex_unlock(&mu);
     return r;
 }
@@ -456,8 +699,8 @@ CUresult cuCtxSynchronize(void) {
 /* ---- streams ---------------------------------------------------------------- */
 
 CUresult cuStreamCreate(void **phandle, unsigned int flags) {
-    (void)flags;
     if (!initialized) return NOT_INITIALIZED;
+    if (flags & ~(unsigned)STREAM_NON_BLOCKING) return INVALID_VALUE;
     if (!phandle) return INVALID_VALUE;
     context_t *ctx = current_ctx();
     if (!ctx) return INVALID_CONTEXT;
@@ -466,6 +709,7 @@ CUresult cuStreamCreate(void **phandle, unsigned int flags) {
     stream_t *s = r ? NULL : new_stream_locked(ctx);
     if (!r && !s) r = OUT_OF_MEMORY;
     if (s) {
+        s->flags = flags;
         ptrset_add(&live_stream_set, s);
         live_streams++;
         *phandle = s;
@@ -482,6 +726,7 @@ CUresult cuStreamDestroy(void *handle) {
         r = INVALID_HANDLE;
     } else {
         stream_t *s = handle;
+        stream_leave_capture_locked(s);
         s->destroyed = 1; /* the thread drains the queue, then frees it */
         live_streams--;
         pthread_cond_signal(&s->wake);
@@ -507,18 +752,32 @@ CUresult cuStreamGetCtx_v2(void *handle, void **pctx, void **pgreen) {
 
 static int stream_idle_locked(stream_t *s) { return !s->head && !s->busy; }
 
-static int context_idle_locked(context_t *ctx) {
-    for (size_t i = 0; i < live_stream_set.cap; i++) {
-        stream_t *s = live_stream_set.slots[i];
+static int set_idle_locked(ptrset_t *set, context_t *ctx) {
+    for (size_t i = 0; i < set->cap; i++) {
+        stream_t *s = set->slots[i];
         if (s && (void *)s != TOMBSTONE && s->ctx == ctx && !stream_idle_locked(s)) return 0;
     }
-    return !ctx->default_stream || stream_idle_locked(ctx->default_stream);
+    return 1;
+}
+
+static int context_idle_locked(context_t *ctx) {
+    return set_idle_locked(&live_stream_set, ctx) && set_idle_locked(&per_thread_stream_set, ctx) &&
+           (!ctx->default_stream || stream_idle_locked(ctx->default_stream));
+}
+
+/* Querying or synchronizing a capturing stream is refused and invalidates it. */
+static CUresult not_capturing_locked(stream_t *s) {
+    if (!s->capture) return SUCCESS;
+    s->capture->invalidated = 1;
+    return STREAM_CAPTURE_UNSUPPORTED;
 }
 
 CUresult cuStreamQuery(void *handle) {
     pthread_mutex_lock(&mu);
     stream_t *s = NULL;
     CUresult r = resolve_stream(handle, &s);
+    if (!r) r = unsafe_call_locked();
+    if (!r) r = not_capturing_locked(s);
     if (!r) r = s->ctx->sticky ? s->ctx->sticky : stream_idle_locked(s) ? SUCCESS : NOT_READY;
     pthread_mutex_unlock(&mu);
     return r;
@@ -528,6 +787,8 @@ CUresult cuStreamSynchronize(void *handle) {
     pthread_mutex_lock(&mu);
     stream_t *s = NULL;
     CUresult r = resolve_stream(handle, &s);
+    if (!r) r = unsafe_call_locked();
+    if (!r) r = not_capturing_locked(s);
     if (!r) {
         while (!s->ctx->sticky && !stream_idle_locked(s)) pthread_cond_wait(&progress, &mu);
         r = s->ctx->sticky;
@@ -584,11 +845,26 @@ CUresult cuEventRecord(void *event_handle, void *stream_handle) {
     CUresult r = resolve_event(event_handle, &e);
     if (!r) r = usable_stream_locked(stream_handle, &s);
     if (!r && e->ctx != s->ctx) r = INVALID_HANDLE;
-    if (!r) {
+    if (!r && s->capture) {
+        /* Captured: a fork/join marker of the capture, never a completion. */
+        if (s->capture->invalidated) {
+            r = STREAM_CAPTURE_INVALIDATED;
+        } else {
+            s->capture_ops++;
+            if (s != s->capture->origin) s->joined = 0;
+            e->captured = 1;
+            e->capture_id = s->capture->id;
+            e->capture_stream = s;
+            e->capture_ops = s->capture_ops;
+        }
+    } else if (!r && legacy_implicit_locked(s, 1)) {
+        r = STREAM_CAPTURE_IMPLICIT;
+    } else if (!r) {
         op_t *op = new_op(OP_RECORD);
         op->event = e;
         op->generation = ++e->target;
         e->refs++;
+        e->captured = 0;
         enqueue_locked(s, op);
     }
     pthread_mutex_unlock(&mu);
@@ -599,6 +875,8 @@ CUresult cuEventQuery(void *handle) {
     pthread_mutex_lock(&mu);
     event_t *e = NULL;
     CUresult r = resolve_event(handle, &e);
+    if (!r) r = unsafe_call_locked();
+    if (!r && e->captured) r = CAPTURED_EVENT;
     if (!r) r = e->ctx->sticky ? e->ctx->sticky : e->done >= e->target ? SUCCESS : NOT_READY;
     pthread_mutex_unlock(&mu);
     return r;
@@ -608,6 +886,8 @@ CUresult cuEventSynchronize(void *handle) {
     pthread_mutex_lock(&mu);
     event_t *e = NULL;
     CUresult r = resolve_event(handle, &e);
+    if (!r) r = unsafe_call_locked();
+    if (!r && e->captured) r = CAPTURED_EVENT;
     if (!r) {
         e->refs++;
         while (!e->ctx->sticky && e->done < e->target) pthread_cond_wait(&progress, &mu);
@@ -640,7 +920,35 @@ CUresult cuStreamWaitEvent(void *stream_handle, void *event_handle, unsigned int
     stream_t *s = NULL;
     CUresult r = resolve_event(event_handle, &e);
     if (!r) r = usable_stream_locked(stream_handle, &s);
-    if (!r) { /* any context: the wait happens on the device */
+    if (!r && e->captured) {
+        capture_t *c = find_capture_locked(e->capture_id);
+        if (!c) {
+            r = CAPTURED_EVENT; /* its capture ended: it never completes */
+        } else if (s->capture && s->capture != c) {
+            r = STREAM_CAPTURE_ISOLATION;
+            c->invalidated = s->capture->invalidated = 1;
+        } else if (c->invalidated) {
+            r = STREAM_CAPTURE_INVALIDATED;
+        } else if (!s->capture) {
+            capture_add_member_locked(c, s); /* a fork: s is captured from now on */
+        } else {
+            /* Within the capture: a join, if s waits for all of the source's work. */
+            for (size_t i = 0; i < c->n_members; i++) {
+                stream_t *source = c->members[i];
+                if (source == e->capture_stream && source != s &&
+                    source->capture_ops == e->capture_ops)
+                    source->joined = 1;
+            }
+            s->capture_ops++;
+            if (s != c->origin) s->joined = 0;
+        }
+    } else if (!r && s->capture) {
+        /* Uncaptured work cannot be a dependency of a capture. */
+        r = STREAM_CAPTURE_ISOLATION;
+        s->capture->invalidated = 1;
+    } else if (!r && legacy_implicit_locked(s, 1)) {
+        r = STREAM_CAPTURE_IMPLICIT;
+    } else if (!r) { /* any context: the wait happens on the device */
         op_t *op = new_op(OP_WAIT_EVENT);
         op->event = e;
         op->generation = e->target;
@@ -662,10 +970,13 @@ static CUresult launch_host_func(void *stream_handle, CUhostFn fn, void *data, l
         op_t *op = new_op(OP_HOST_FUNC);
         op->fn = fn;
         op->data = data;
-        pending_host_funcs++;
-        (*counter)++;
-        last_host_fn = (void *)fn;
-        enqueue_locked(s, op);
+        int captured = 0;
+        r = submit_locked(s, op, &captured);
+        if (!r) {
+            (*counter)++;
+            last_host_fn = (void *)fn;
+            if (!captured) pending_host_funcs++;
+        }
     }
     pthread_mutex_unlock(&mu);
     return r;
@@ -693,7 +1004,7 @@ static CUresult enqueue_value_op(enum op_kind kind, void *stream_handle, CUdevic
         op->address = (volatile uint32_t *)(uintptr_t)address;
         op->value = value;
         op->flags = flags;
-        enqueue_locked(s, op);
+        r = submit_locked(s, op, NULL);
     }
     pthread_mutex_unlock(&mu);
     return r;
@@ -727,8 +1038,10 @@ CUresult cuMemHostAlloc(void **pp, size_t bytes, unsigned int flags) {
 
 CUresult cuMemAllocHost(void **pp, size_t bytes) { return cuMemHostAlloc(pp, bytes, 0); }
 
+/* As the real driver: freeing needs a current context. */
 CUresult cuMemFreeHost(void *p) {
     if (!initialized) return NOT_INITIALIZED;
+    if (!current_ctx()) return INVALID_CONTEXT;
     if (!p) return INVALID_VALUE;
     free(p);
     pthread_mutex_lock(&mu);
@@ -748,6 +1061,10 @@ CUresult cuMemAlloc(CUdeviceptr *pdptr, size_t bytes) {
     if (!initialized) return NOT_INITIALIZED;
     if (!current_ctx()) return INVALID_CONTEXT;
     if (!pdptr || !bytes) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = unsafe_call_locked();
+    pthread_mutex_unlock(&mu);
+    if (r) return r;
     void *p = malloc(bytes);
     if (!p) return OUT_OF_MEMORY;
     *pdptr = (CUdeviceptr)(uintptr_t)p;
@@ -756,6 +1073,7 @@ CUresult cuMemAlloc(CUdeviceptr *pdptr, size_t bytes) {
 
 CUresult cuMemFree(CUdeviceptr dptr) {
     if (!initialized) return NOT_INITIALIZED;
+    if (!current_ctx()) return INVALID_CONTEXT;
     free((void *)(uintptr_t)dptr);
     return SUCCESS;
 }
@@ -779,7 +1097,7 @@ CUresult cuMemFreeAsync(CUdeviceptr dptr, void *stream_handle) {
     if (!r) {
         op_t *op = new_op(OP_FREE);
         op->address = (volatile uint32_t *)(uintptr_t)dptr;
-        enqueue_locked(s, op);
+        r = submit_locked(s, op, NULL);
     }
     pthread_mutex_unlock(&mu);
     return r;
@@ -794,7 +1112,7 @@ static CUresult enqueue_memset(CUdeviceptr dptr, unsigned value, size_t bytes, v
         op->address = (volatile uint32_t *)(uintptr_t)dptr;
         op->value = value;
         op->bytes = bytes;
-        enqueue_locked(s, op);
+        r = submit_locked(s, op, NULL);
     }
     pthread_mutex_unlock(&mu);
     return r;
@@ -802,6 +1120,185 @@ static CUresult enqueue_memset(CUdeviceptr dptr, unsigned value, size_t bytes, v
 
 CUresult cuMemsetD8Async(CUdeviceptr dptr, unsigned char value, size_t count, void *stream) {
     return enqueue_memset(dptr, value, count, stream);
+}
+
+/* ---- stream capture and graphs ------------------------------------------------ */
+
+CUresult cuStreamBeginCapture_v2(void *stream_handle, int mode) {
+    if (mode < MODE_GLOBAL || mode > MODE_RELAXED) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    CUresult r = usable_stream_locked(stream_handle, &s);
+    if (!r && is_legacy_stream(s)) r = STREAM_CAPTURE_UNSUPPORTED; /* the legacy stream cannot capture */
+    if (!r && s->capture) r = ILLEGAL_STATE;
+    if (!r) {
+        capture_t *c = calloc(1, sizeof *c);
+        c->id = next_capture_id++;
+        c->mode = mode;
+        c->thread = pthread_self();
+        c->origin = s;
+        c->next = captures;
+        captures = c;
+        capture_add_member_locked(c, s);
+        s->joined = 1; /* the origin needs no joining */
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuStreamBeginCapture(void *stream_handle) {
+    return cuStreamBeginCapture_v2(stream_handle, MODE_GLOBAL);
+}
+
+CUresult cuStreamEndCapture(void *stream_handle, void **pgraph) {
+    if (!pgraph) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    CUresult r = resolve_stream(stream_handle, &s);
+    capture_t *c = r ? NULL : s->capture;
+    if (!r && !c) r = ILLEGAL_STATE;
+    if (!r && c->origin != s) r = STREAM_CAPTURE_UNMATCHED;
+    if (!r && c->mode != MODE_RELAXED && !pthread_equal(c->thread, pthread_self()))
+        r = STREAM_CAPTURE_WRONG_THREAD;
+    if (!r) {
+        if (c->invalidated) r = STREAM_CAPTURE_INVALIDATED;
+        for (size_t i = 0; !r && i < c->n_members; i++)
+            if (!c->members[i]->joined) r = STREAM_CAPTURE_UNJOINED;
+        op_t *ops = end_capture_locked(c); /* in every case, as the real driver */
+        *pgraph = NULL;
+        if (r) {
+            free_ops_locked(ops);
+        } else {
+            graph_t *g = calloc(1, sizeof *g);
+            g->head = ops;
+            ptrset_add(&graph_set, g);
+            *pgraph = g;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+/* Answers for the legacy stream while a blocking stream of its context captures:
+ * STREAM_CAPTURE_IMPLICIT, and the capture stays valid (as the real driver). */
+static CUresult capture_status_locked(void *stream_handle, int *status, uint64_t *id) {
+    stream_t *s = NULL;
+    CUresult r = resolve_stream(stream_handle, &s);
+    if (r) return r;
+    if (legacy_implicit_locked(s, 0)) return STREAM_CAPTURE_IMPLICIT;
+    capture_t *c = s->capture;
+    if (status) *status = !c ? CAPTURE_NONE : c->invalidated ? CAPTURE_INVALIDATED : CAPTURE_ACTIVE;
+    if (id && c) *id = c->id;
+    return SUCCESS;
+}
+
+CUresult cuStreamIsCapturing(void *stream_handle, int *status) {
+    if (!status) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = capture_status_locked(stream_handle, status, NULL);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+/* The 11.3 signature; the graph and its dependencies are not modelled (NULL, 0). */
+CUresult cuStreamGetCaptureInfo_v2(void *stream_handle, int *status, uint64_t *id, void **graph,
+                                   const void **deps, size_t *n_deps) {
+    if (!status) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = capture_status_locked(stream_handle, status, id);
+    pthread_mutex_unlock(&mu);
+    if (!r) {
+        if (graph) *graph = NULL;
+        if (deps) *deps = NULL;
+        if (n_deps) *n_deps = 0;
+    }
+    return r;
+}
+
+/* The 12.3 signature (cuStreamGetCaptureInfo in CUDA 13): edge data added. */
+CUresult cuStreamGetCaptureInfo_v3(void *stream_handle, int *status, uint64_t *id, void **graph,
+                                   const void **deps, const void **edges, size_t *n_deps) {
+    CUresult r = cuStreamGetCaptureInfo_v2(stream_handle, status, id, graph, deps, n_deps);
+    if (!r && edges) *edges = NULL;
+    return r;
+}
+
+CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+    if (!mode || *mode < MODE_GLOBAL || *mode > MODE_RELAXED) return INVALID_VALUE;
+    int previous = thread_capture_mode;
+    thread_capture_mode = *mode;
+    *mode = previous;
+    return SUCCESS;
+}
+
+static op_t *copy_ops(op_t *op) {
+    op_t *head = NULL, **tail = &head;
+    for (; op; op = op->next) {
+        op_t *copy = new_op(op->kind);
+        *copy = *op;
+        copy->next = NULL;
+        *tail = copy;
+        tail = &copy->next;
+    }
+    return head;
+}
+
+CUresult cuGraphDestroy(void *handle) {
+    if (!initialized) return NOT_INITIALIZED;
+    pthread_mutex_lock(&mu);
+    CUresult r = ptrset_remove(&graph_set, handle) ? SUCCESS : INVALID_VALUE;
+    if (!r) {
+        free_ops_locked(((graph_t *)handle)->head);
+        free(handle);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuGraphInstantiateWithFlags(void **pexec, void *graph_handle, unsigned long long flags) {
+    (void)flags;
+    if (!initialized) return NOT_INITIALIZED;
+    if (!pexec) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = ptrset_find(&graph_set, graph_handle) == (size_t)-1 ? INVALID_VALUE : SUCCESS;
+    if (!r) {
+        graph_t *exec = calloc(1, sizeof *exec);
+        exec->head = copy_ops(((graph_t *)graph_handle)->head);
+        ptrset_add(&graph_exec_set, exec);
+        *pexec = exec;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuGraphExecDestroy(void *handle) {
+    if (!initialized) return NOT_INITIALIZED;
+    pthread_mutex_lock(&mu);
+    CUresult r = ptrset_remove(&graph_exec_set, handle) ? SUCCESS : INVALID_VALUE;
+    if (!r) {
+        free_ops_locked(((graph_t *)handle)->head);
+        free(handle);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+/* Replays the captured memsets on the stream, in order. */
+CUresult cuGraphLaunch(void *exec_handle, void *stream_handle) {
+    pthread_mutex_lock(&mu);
+    stream_t *s = NULL;
+    CUresult r = ptrset_find(&graph_exec_set, exec_handle) == (size_t)-1 ? INVALID_VALUE : SUCCESS;
+    if (!r) r = usable_stream_locked(stream_handle, &s);
+    if (!r) {
+        op_t *ops = copy_ops(((graph_t *)exec_handle)->head);
+        while (ops) {
+            op_t *next = ops->next;
+            if (!r) r = submit_locked(s, ops, NULL); else drop_op_locked(ops);
+            ops = next;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
 }
 
 /* ---- errors ------------------------------------------------------------------- */
@@ -815,12 +1312,29 @@ static const struct { int code; const char *name, *text; } error_table[] = {
     { INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal" },
     { INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context" },
     { INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle" },
+    { ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state" },
     { NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found" },
     { NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready" },
     { ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered" },
     { LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure" },
     { NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted" },
     { NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported" },
+    { STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+      "operation not permitted when stream is capturing" },
+    { STREAM_CAPTURE_INVALIDATED, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+      "operation failed due to a previous error during capture" },
+    { STREAM_CAPTURE_UNMATCHED, "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
+      "capture was not initiated in this stream" },
+    { STREAM_CAPTURE_UNJOINED, "CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+      "capturing stream has unjoined work" },
+    { STREAM_CAPTURE_ISOLATION, "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+      "dependency created on uncaptured work in another stream" },
+    { STREAM_CAPTURE_IMPLICIT, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+      "operation would make the legacy stream depend on a capturing blocking stream" },
+    { CAPTURED_EVENT, "CUDA_ERROR_CAPTURED_EVENT",
+      "operation not permitted on an event last recorded in a capturing stream" },
+    { STREAM_CAPTURE_WRONG_THREAD, "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
+      "attempt to terminate a thread-local capture sequence from another thread" },
 };
 
 static int error_index(CUresult code) {
@@ -878,6 +1392,17 @@ static const struct { const char *name; int version; void *fn; } entry_points[] 
     ENTRY("cuStreamQuery", 2000, cuStreamQuery),
     ENTRY("cuStreamSynchronize", 2000, cuStreamSynchronize),
     ENTRY("cuStreamWaitEvent", 3020, cuStreamWaitEvent),
+    ENTRY("cuStreamBeginCapture", 10000, cuStreamBeginCapture),
+    ENTRY("cuStreamBeginCapture", 10010, cuStreamBeginCapture_v2),
+    ENTRY("cuStreamEndCapture", 10000, cuStreamEndCapture),
+    ENTRY("cuStreamIsCapturing", 10000, cuStreamIsCapturing),
+    ENTRY("cuStreamGetCaptureInfo", 11030, cuStreamGetCaptureInfo_v2),
+    ENTRY("cuStreamGetCaptureInfo", 12030, cuStreamGetCaptureInfo_v3),
+    ENTRY("cuThreadExchangeStreamCaptureMode", 10010, cuThreadExchangeStreamCaptureMode),
+    ENTRY("cuGraphDestroy", 10000, cuGraphDestroy),
+    ENTRY("cuGraphInstantiateWithFlags", 11040, cuGraphInstantiateWithFlags),
+    ENTRY("cuGraphExecDestroy", 10000, cuGraphExecDestroy),
+    ENTRY("cuGraphLaunch", 10000, cuGraphLaunch),
     ENTRY("cuEventCreate", 2000, cuEventCreate),
     ENTRY("cuEventDestroy", 4000, cuEventDestroy),
     ENTRY("cuEventRecord", 2000, cuEventRecord),
@@ -905,8 +1430,14 @@ static const struct { const char *name; int version; void *fn; } entry_points[] 
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version,
                              unsigned long long flags, int *status) {
-    (void)flags; /* per-thread-default-stream variants resolve to the same functions */
     if (!symbol || !pfn) return INVALID_VALUE;
+    /* The per-thread-default-stream variants resolve to the same functions, which
+     * then treat handle 0 as the per-thread default stream (as _ptsz ones do). */
+    if (flags & PROC_PER_THREAD_DEFAULT_STREAM) {
+        pthread_mutex_lock(&mu);
+        per_thread_mode = 1;
+        pthread_mutex_unlock(&mu);
+    }
     /* As the real driver: a version above its own is refused outright. */
     if (cuda_version > driver_version()) {
         *pfn = NULL;
