@@ -264,7 +264,10 @@ def cuda_stream_handle(stream: object) -> int:
         elif library == "cupy" and hasattr(stream, "ptr"):
             handle = stream.ptr
         elif library == "numba" and hasattr(stream, "handle"):
-            handle = stream.handle.value or 0  # a c_void_p; None is the default stream
+            raw = stream.handle
+            # A ctypes c_void_p in older numba-cuda (its .value None for the
+            # default stream); a cuda.bindings CUstream, which int() takes, since.
+            handle = (raw.value or 0) if isinstance(raw, ctypes.c_void_p) else int(raw)
         else:
             raise TypeError(f"expected {_ACCEPTS}; got {type(stream).__qualname__} object")
     if isinstance(handle, bool) or not isinstance(handle, int):

@@ -1,82 +1,243 @@
 #!/usr/bin/env bash
-# The GPU check: run asyncfence's CUDA tests, its interop tests and the
-# benchmark's CUDA section against the real NVIDIA driver, in a few minutes.
+# The GPU check: asyncfence's CUDA tests, its interop tests (PyTorch, CuPy,
+# numba-cuda, cuda.core), a parked wait's wake path and completion signal, the
+# PyTorch example and the benchmark's CUDA section, against the real NVIDIA
+# driver, in under five minutes.
 #
 #   scripts/gpu-check.sh OUTDIR [WHEELDIR]
 #
-# OUTDIR receives summary.json, pytest.log, junit.xml and (once the benchmark
-# exists) bench.json and bench.txt. WHEELDIR, if given, holds wheels for what the
-# machine lacks (pytest, pytest-asyncio, trio, ...); they are installed with
-# --no-index into a private folder, so the machine's own packages (torch, CuPy,
-# numba-cuda, cuda-bindings, cuda-core, anyio, uvloop) stay as they are.
-# ASYNCFENCE_CUDA_DRIVER=emulated runs the same steps on the emulated driver, to
-# check the script itself on a machine without a GPU.
-set -uo pipefail
+# OUTDIR receives at most eight files: summary.json (rewritten after every step,
+# so a hang or a kill loses nothing already done), steps.log, pytest.log,
+# tests.jsonl (one line per test phase, written as the tests run), junit.xml,
+# bench.json, bench.txt and bench.png. WHEELDIR holds the wheels the GPU machine
+# lacks (scripts/fetch-gpu-wheels.sh makes it; scripts/gpu-wheels.txt lists
+# them): they are installed with --no-index into a private folder, so the
+# machine's own packages stay as they are, and each is imported at once. Without
+# WHEELDIR the check still runs: trio's cases skip, and pytest-asyncio's ini keys
+# are ignored.
+#
+# The project is used from this checkout (PYTHONPATH), never installed; the
+# native wake shim is compiled in place first where a C compiler exists.
+#
+# Environment: PYTHON (default python3); ASYNCFENCE_CUDA_DRIVER=real (default),
+# emulated or auto: emulated runs every step on the test suite's emulated driver
+# (tests/cuda_emulator), to check this script on a machine without a GPU, with
+# ASYNCFENCE_EMULATED_DRIVER_VERSION=13000 to model a CUDA 13.0 driver;
+# ASYNCFENCE_GPU_CHECK_BUDGET, the seconds all steps share (default 285);
+# ASYNCFENCE_GPU_CHECK_TEST_TIMEOUT, the seconds one test may take (default 45).
+#
+# Exit status: 0 when every step passed, 1 when one failed (summary.json's
+# failed_steps says which), 2 when the check could not start.
+set -euo pipefail
 
-out=${1:?usage: scripts/gpu-check.sh OUTDIR [WHEELDIR]}
+usage="usage: scripts/gpu-check.sh OUTDIR [WHEELDIR]"
+out=${1:?$usage}
 wheels=${2:-}
 root=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-python3}
+report=$root/scripts/gpu_check_report.py
+budget=${ASYNCFENCE_GPU_CHECK_BUDGET:-285}
+reserve=10 # seconds kept back for the last summary
+# Seconds per test (pytest-timeout's signal method: the test fails, the run goes on).
+test_timeout=${ASYNCFENCE_GPU_CHECK_TEST_TIMEOUT:-45}
+SECONDS=0
+
+fail() { # the check cannot go on: say why, keep what is known, exit 2
+    echo "gpu-check: $*" >&2
+    if [ -n "${work:-}" ] && [ -d "$work" ]; then
+        echo "gpu-check: stopped: $*" >>"$out/steps.log"
+        "$python" "$report" note "$work" stopped "reason=$*" || true
+        summarize
+    fi
+    exit 2
+}
+
+mode=${ASYNCFENCE_CUDA_DRIVER:-real}
+case $mode in
+auto) if [ -e /dev/nvidiactl ]; then mode=real; else mode=emulated; fi ;;
+real | emulated) ;;
+*) fail "ASYNCFENCE_CUDA_DRIVER must be real, emulated or auto; got '$mode'" ;;
+esac
+export ASYNCFENCE_CUDA_DRIVER=$mode PYTHONUNBUFFERED=1
+command -v "$python" >/dev/null || fail "no Python '$python' (set PYTHON)"
+command -v timeout >/dev/null || fail "no timeout(1) (coreutils)"
+
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-python=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
-export ASYNCFENCE_CUDA_DRIVER=${ASYNCFENCE_CUDA_DRIVER:-real}
-started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+rm -f "$out"/{summary.json,steps.log,pytest.log,tests.jsonl,junit.xml} \
+    "$out"/{bench.json,bench.txt,bench.png}
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+: >"$out/steps.log"
 
+log() {
+    echo "gpu-check: $*" | tee -a "$out/steps.log"
+}
+
+summarize() { # rewrite summary.json from what the steps have left so far
+    timeout 30 "$python" "$report" summary "$out" "$work" >/dev/null 2>>"$out/steps.log" || true
+}
+
+# step NAME CAP LOG COMMAND...: run COMMAND under a timeout of CAP seconds, or of
+# what is left of the budget where that is less; its output goes to stdout and to
+# LOG. Records the exit status (124: timed out) and returns it.
+step() {
+    local name=$1 cap=$2 step_log=$3
+    shift 3
+    local left=$((budget - reserve - SECONDS))
+    if ((left < 5)); then
+        printf '%s\tskipped: out of time\t0\t0\n' "$name" >>"$work/steps.tsv"
+        log "$name: skipped, the budget of $budget s is spent"
+        summarize
+        return 0
+    fi
+    local limit=$((cap < left ? cap : left)) start=$SECONDS rc=0
+    log "== $name (at most $limit s; $left s of the budget left)"
+    timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$step_log" || rc=$?
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$limit" "$((SECONDS - start))" >>"$work/steps.tsv"
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        log "$name: timed out after $limit s"
+    elif [ "$rc" != 0 ]; then
+        log "$name: exit status $rc"
+    fi
+    summarize
+    return "$rc"
+}
+
+"$python" "$report" note "$work" meta \
+    "started=$(date -u +%Y-%m-%dT%H:%M:%SZ)" "machine=$(uname -n)" "driver_mode=$mode" \
+    "emulated_driver_version=${ASYNCFENCE_EMULATED_DRIVER_VERSION:-null}" \
+    "wheel_dir=${wheels:-null}" "budget_s=$budget" "python_command=$python" \
+    || fail "$python cannot run $report"
+log "driver: $mode; python: $("$python" -c 'import sys; print(sys.version.split()[0], sys.executable)')"
+
+# -- the carried wheels, imported at once ----------------------------------------------
+site=
 if [ -n "$wheels" ]; then
-  site=$(mktemp -d)
-  "$python" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl \
-    || { echo "gpu-check: installing wheels from $wheels failed" >&2; exit 2; }
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    [ -d "$wheels" ] || fail "WHEELDIR '$wheels' is not a folder"
+    wheels=$(cd "$wheels" && pwd)
+    compgen -G "$wheels/*.whl" >/dev/null \
+        || fail "no wheels in '$wheels': make them with scripts/fetch-gpu-wheels.sh '$wheels'"
+    site=$work/site
+    step wheels 60 "$out/steps.log" "$python" -m pip install -q --no-index --no-deps \
+        --no-compile --no-cache-dir --disable-pip-version-check --target "$site" "$wheels"/*.whl \
+        || fail "installing the wheels from $wheels failed (see $out/steps.log)"
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # The project itself from the checkout, without touching site-packages.
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
+if [ -n "$site" ]; then
+    step imports 30 "$out/steps.log" \
+        "$python" "$report" imports "$site" "$root/scripts/gpu-wheels.txt" \
+        || fail "a carried wheel does not import (above): WHEELDIR lacks one, or it does not fit"
+else
+    log "no WHEELDIR: what scripts/gpu-wheels.txt lists comes from the machine, or is missing"
+    timeout 30 "$python" "$report" imports "" "$root/scripts/gpu-wheels.txt" 2>&1 \
+        | tee -a "$out/steps.log" || true
+fi
+timeout 60 "$python" -c 'import anyio, asyncfence, cuda.bindings, pytest, pytest_timeout' \
+    2>&1 | tee -a "$out/steps.log" \
+    || fail "$python needs anyio, cuda-bindings, pytest and pytest-timeout; asyncfence from $root"
 
-cd "$root"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
-  >"$out/nvidia-smi.txt" 2>&1 || echo "no nvidia-smi" >"$out/nvidia-smi.txt"
-
-timeout 150 "$python" -m pytest -p no:cacheprovider -o addopts="" -ra \
-  --junitxml="$out/junit.xml" tests/test_cuda.py tests/test_interop.py 2>&1 | tee "$out/pytest.log"
-tests_rc=${PIPESTATUS[0]}
-
-bench_rc=skipped
-if "$python" -c "import asyncfence._bench" 2>/dev/null; then
-  timeout 110 "$python" -m asyncfence bench --device cuda --json "$out/bench.json" \
-    --plot "$out/bench.png" 2>&1 | tee "$out/bench.txt"
-  bench_rc=${PIPESTATUS[0]}
-  if [ "$bench_rc" != 0 ]; then  # out of time: the quick form, so something is measured
-    timeout 40 "$python" -m asyncfence bench --device cuda --quick --json "$out/bench.json" \
-      2>&1 | tee "$out/bench.txt"
-    bench_rc="full: $bench_rc, quick: ${PIPESTATUS[0]}"
-  fi
+# -- the native wake shim, compiled in place ---------------------------------------------
+suffix=$("$python" -c 'import importlib.machinery as m; print(m.EXTENSION_SUFFIXES[0])')
+shim=$root/asyncfence/_shim$suffix
+source_c=$root/asyncfence/_native.c
+read -ra cc <<<"${CC:-cc}"
+if [ ! -e "$source_c" ]; then
+    "$python" "$report" note "$work" shim built=false "error=no $source_c to build"
+    log "no $source_c: the shim is not built"
+elif command -v "${cc[0]}" >/dev/null; then
+    compiler=$("${cc[@]}" --version 2>/dev/null | head -n 1 || true)
+    if step shim 60 "$out/steps.log" "${cc[@]}" -shared -fPIC -O2 -std=c11 -fvisibility=hidden \
+        -o "$shim.partial" "$source_c"; then
+        mv -f "$shim.partial" "$shim"
+        "$python" "$report" note "$work" shim built=true "path=$shim" "compiler=$compiler"
+    else
+        rm -f "$shim.partial"
+        stale=$([ -e "$shim" ] && echo "$shim" || echo null)
+        "$python" "$report" note "$work" shim built=false "compiler=$compiler" \
+            "error=the compiler failed (steps.log)" "stale=$stale"
+    fi
+else
+    "$python" "$report" note "$work" shim built=false "error=no C compiler (${cc[0]})" \
+        "stale=$([ -e "$shim" ] && echo "$shim" || echo null)"
+    log "no C compiler (${cc[0]}): the shim is not built; parked waits use the watcher thread"
 fi
 
-"$python" - "$out" "$started" "$tests_rc" "$bench_rc" <<'PY'
-import json, platform, sys, xml.etree.ElementTree as ET
-from pathlib import Path
+# -- the driver: the real one, or the emulated one for every process -------------------------
+with_driver=(env)
+if [ "$mode" = emulated ]; then
+    emulator=$(timeout 120 "$python" -c 'from tests.cuda_emulator import build; print(build())') \
+        || fail "cannot build the emulated driver (tests/cuda_emulator; it needs a C compiler)"
+    # The tests load it themselves (tests/conftest.py); the other steps find it here.
+    with_driver=(env "LD_LIBRARY_PATH=$(dirname "$emulator")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+    log "emulated driver: $emulator (version ${ASYNCFENCE_EMULATED_DRIVER_VERSION:-its default})"
+fi
 
-out, started, tests_rc, bench_rc = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-summary = {
-    "started": started,
-    "machine": platform.node(),
-    "gpu": (out / "nvidia-smi.txt").read_text().strip(),
-    "tests_exit_code": tests_rc,
-    "bench_exit_code": bench_rc,
-}
-header = [l for l in (out / "pytest.log").read_text().splitlines() if "CUDA driver" in l]
-summary["driver_used"] = header[0] if header else "unknown"
-try:
-    suite = ET.parse(out / "junit.xml").getroot().find("testsuite")
-    summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    summary["failed"] = [
-        f"{case.get('classname')}::{case.get('name')}"
-        for case in suite.iter("testcase")
-        if case.find("failure") is not None or case.find("error") is not None
-    ]
-except (OSError, ET.ParseError, AttributeError) as error:
-    summary["tests"] = f"no junit report: {error}"
-(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-print(json.dumps(summary, indent=2))
-PY
-exit "$tests_rc"
+step versions 40 "$out/steps.log" "${with_driver[@]}" "$python" "$report" versions "$work" || true
+step probe 40 "$out/steps.log" "${with_driver[@]}" "$python" "$report" probe "$work" || true
+
+# -- the tests -------------------------------------------------------------------------------
+cd "$root"
+test_files=(tests/test_cuda.py tests/test_interop.py)
+pytest_args=(
+    -p no:cacheprovider -o addopts= --strict-markers -rA --durations=20
+    -o timeout_method=signal --timeout "$test_timeout"
+)
+# pyproject.toml's asyncio_* ini keys are pytest-asyncio's: without it pytest warns
+# that they are unknown, and filterwarnings = error makes that fatal. The CUDA and
+# interop tests need only anyio's plugin.
+without_asyncio=(-p no:asyncio -W "ignore:Unknown config option:pytest.PytestConfigWarning")
+if ! "$python" -c 'import importlib.metadata as m, sys
+sys.exit(all(e.name != "asyncfence" for e in m.entry_points(group="pytest11")))'; then
+    pytest_args+=(-p asyncfence.pytest_plugin) # not installed: load the plugin by hand
+fi
+if "$python" -c 'import pytest_asyncio' 2>/dev/null; then
+    # Collect once first: should pytest-asyncio not load with this pytest, run without it.
+    if timeout 60 "$python" -m pytest "${pytest_args[@]}" --strict-config --collect-only -q \
+        "${test_files[@]}" >"$work/collect.txt" 2>&1; then
+        pytest_args+=(--strict-config)
+        asyncio_plugin=used
+    else
+        tail -n 25 "$work/collect.txt" | tee -a "$out/steps.log"
+        log "collecting with pytest-asyncio failed (above): the tests run without it"
+        pytest_args+=("${without_asyncio[@]}")
+        asyncio_plugin="dropped: collecting with it failed (steps.log)"
+    fi
+else
+    log "pytest-asyncio is absent: its ini keys are ignored"
+    pytest_args+=("${without_asyncio[@]}")
+    asyncio_plugin=absent
+fi
+"$python" "$report" note "$work" pytest "asyncio_plugin=$asyncio_plugin" \
+    "args=${pytest_args[*]} ${test_files[*]}"
+step tests 130 "$out/pytest.log" env "ASYNCFENCE_GPU_CHECK_LOG=$out/tests.jsonl" \
+    "PYTHONPATH=$root/scripts:$PYTHONPATH" "$python" -m pytest "${pytest_args[@]}" \
+    --junitxml="$out/junit.xml" -p gpu_check_log "${test_files[@]}" || true
+
+# -- the PyTorch example (it says so and exits 0 where torch or a GPU is missing) ---------------
+# Never on the emulated driver: PyTorch would load it and fail beyond what it emulates.
+step example 45 "$work/example.txt" "$python" "$root/examples/torch_pipeline.py" || true
+cat "$work/example.txt" >>"$out/steps.log" 2>/dev/null || true
+
+# -- the benchmark's CUDA section ----------------------------------------------------------------
+bench_args=(--device cuda --json "$out/bench.json")
+if "$python" -c 'import matplotlib' 2>/dev/null; then
+    bench_args+=(--plot "$out/bench.png")
+fi
+if [ "$mode" = emulated ]; then
+    step bench_quick 60 "$out/bench.txt" "${with_driver[@]}" \
+        "$python" -m asyncfence bench --quick "${bench_args[@]}" || true
+elif ! step bench 110 "$out/bench.txt" "$python" -m asyncfence bench "${bench_args[@]}"; then
+    # Out of time or failed: the quick form, so that something is measured.
+    step bench_quick 40 "$out/bench.txt" \
+        "$python" -m asyncfence bench --quick "${bench_args[@]}" || true
+fi
+
+touch "$work/done"
+log "all steps done in $SECONDS s; the summary: $out/summary.json"
+rc=0
+timeout 30 "$python" "$report" summary "$out" "$work" || rc=$?
+[ "$rc" = 0 ] || [ "$rc" = 1 ] || rc=1
+exit "$rc"

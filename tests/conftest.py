@@ -129,6 +129,7 @@ async def until(predicate: Any) -> None:
 # -- CUDA: the real driver on a GPU, else the emulated one -------------------------
 
 _cuda_mode = "none"
+_cuda_none_reason = "no CUDA driver in this run (ASYNCFENCE_CUDA_DRIVER=none)"
 _emulator: Any = None
 
 
@@ -138,7 +139,7 @@ def _real_driver_present() -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Choose the CUDA driver before anything loads one: it cannot change later."""
-    global _cuda_mode, _emulator
+    global _cuda_mode, _emulator, _cuda_none_reason
     requested = os.environ.get("ASYNCFENCE_CUDA_DRIVER", "auto")
     if requested not in ("auto", "real", "emulated", "none"):
         raise pytest.UsageError(
@@ -147,9 +148,16 @@ def pytest_configure(config: pytest.Config) -> None:
     if requested == "auto":
         requested = "real" if _real_driver_present() else "emulated"
     if requested == "emulated":
-        from .cuda_emulator import load
+        from .cuda_emulator import EmulatorUnavailable, load
 
-        _emulator = load()
+        try:
+            _emulator = load()
+        except EmulatorUnavailable as unavailable:
+            if os.environ.get("ASYNCFENCE_CUDA_DRIVER") == "emulated":
+                raise pytest.UsageError(str(unavailable)) from None
+            # A machine without a C compiler: the CUDA tests skip, saying why.
+            _cuda_none_reason = f"the emulated CUDA driver could not be built: {unavailable}"
+            requested = "none"
     _cuda_mode = requested
 
 
@@ -158,14 +166,14 @@ def pytest_report_header(config: pytest.Config) -> str:
         return f"asyncfence CUDA driver: emulated ({_emulator.path})"
     if _cuda_mode == "real":
         return "asyncfence CUDA driver: real (NVIDIA)"
-    return "asyncfence CUDA driver: none (CUDA tests skip)"
+    return f"asyncfence CUDA driver: none, CUDA tests skip ({_cuda_none_reason})"
 
 
 @pytest.fixture(scope="session")
 def cuda_mode() -> str:
     """``"real"`` or ``"emulated"``; CUDA tests skip with no driver."""
     if _cuda_mode == "none":
-        pytest.skip("no CUDA driver in this run (ASYNCFENCE_CUDA_DRIVER=none)")
+        pytest.skip(_cuda_none_reason)
     return _cuda_mode
 
 

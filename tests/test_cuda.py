@@ -1064,3 +1064,19 @@ raise SystemExit(os.waitstatus_to_exitcode(status))
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("raw", ["c_void_p", "int-like"])
+def test_a_numba_stream_handle_in_either_form(raw: str) -> None:
+    from asyncfence._cuda import cuda_stream_handle
+
+    class CUstreamLike:
+        def __int__(self) -> int:
+            return 0x1234
+
+    class NumbaStream:
+        def __init__(self) -> None:
+            self.handle = ctypes.c_void_p(0x1234) if raw == "c_void_p" else CUstreamLike()
+
+    NumbaStream.__module__ = "numba.cuda.cudadrv.driver"
+    assert cuda_stream_handle(NumbaStream()) == 0x1234

@@ -20,6 +20,10 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("emulated_cuda.c")
 
 
+class EmulatorUnavailable(RuntimeError):
+    """The emulator cannot be built here (no C compiler, or it failed to compile)."""
+
+
 def build(directory: Path | None = None) -> Path:
     """Compile the emulator (once per source version) and return the library's path.
 
@@ -49,8 +53,10 @@ def build(directory: Path | None = None) -> Path:
         str(SOURCE),
     ]
     if shutil.which(command[0]) is None:
-        raise RuntimeError(f"no C compiler ({command[0]}) to build the emulated CUDA driver")
-    subprocess.run(command, check=True, capture_output=True, text=True)
+        raise EmulatorUnavailable(f"no C compiler ({command[0]}) to build the emulated CUDA driver")
+    compiled = subprocess.run(command, capture_output=True, text=True, check=False)
+    if compiled.returncode != 0:
+        raise EmulatorUnavailable(f"compiling the emulated CUDA driver failed: {compiled.stderr}")
     partial.replace(library)  # atomic: concurrent builds never load a partial file
     return library
 

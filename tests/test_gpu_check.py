@@ -1,0 +1,142 @@
+"""The GPU check's Python parts: the per-test log plugin and the summary it feeds.
+
+``scripts/gpu-check.sh`` itself runs in CI, on the emulated driver; these
+check, without a driver, that a run stopped by a hang still says what ran,
+what failed and which test was running.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@pytest.fixture
+def report() -> ModuleType:
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        return importlib.import_module("gpu_check_report")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def plugin_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let a pytest subprocess load ``-p gpu_check_log`` from ``scripts/``."""
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SCRIPTS), path])))
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_log_has_a_line_per_phase_as_the_tests_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = pytester.path / "tests.jsonl"
+    monkeypatch.setenv("ASYNCFENCE_GPU_CHECK_LOG", str(log))
+    plugin_on_path(monkeypatch)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        def test_passes():
+            pass
+
+        def test_fails():
+            assert 1 == 2, "one is not two"
+
+        def test_skips():
+            pytest.skip("no GPU here")
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "gpu_check_log", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1, skipped=1)
+    entries = read_log(log)
+    starts = [e["nodeid"] for e in entries if e["event"] == "start"]
+    assert [n.rpartition("::")[2] for n in starts] == ["test_passes", "test_fails", "test_skips"]
+    calls = {
+        e["nodeid"].rpartition("::")[2]: e
+        for e in entries
+        if e["event"] == "phase" and e["when"] in ("call", "setup") and e["outcome"] != "passed"
+    }
+    assert "one is not two" in calls["test_fails"]["message"]
+    assert calls["test_skips"]["message"] == "Skipped: no GPU here"
+    assert entries[-1] == {"event": "finish", "exitstatus": 1}
+
+
+def test_without_the_variable_the_plugin_writes_nothing(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ASYNCFENCE_GPU_CHECK_LOG", raising=False)
+    plugin_on_path(monkeypatch)
+    pytester.makepyfile("def test_passes():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "gpu_check_log", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert not list(pytester.path.glob("*.jsonl"))
+
+
+def test_a_run_stopped_by_a_hang_names_the_test_it_stopped_in(
+    report: ModuleType, tmp_path: Path
+) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    lines = [
+        {"event": "start", "nodeid": "t.py::test_a"},
+        {"event": "phase", "nodeid": "t.py::test_a", "when": "setup", "outcome": "passed"},
+        {"event": "phase", "nodeid": "t.py::test_a", "when": "call", "outcome": "passed"},
+        {"event": "phase", "nodeid": "t.py::test_a", "when": "teardown", "outcome": "passed"},
+        {"event": "start", "nodeid": "t.py::test_b"},
+        {"event": "phase", "nodeid": "t.py::test_b", "when": "setup", "outcome": "passed"},
+        {
+            "event": "phase",
+            "nodeid": "t.py::test_b",
+            "when": "call",
+            "outcome": "failed",
+            "message": "Timeout (>45.0s) from pytest-timeout.",
+        },
+        {"event": "start", "nodeid": "t.py::test_c"},
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines) + '{"event": "pha'  # cut short
+    (out / "tests.jsonl").write_text(text)
+    (work / "steps.tsv").write_text("versions\t0\t40\t1\ntests\t124\t130\t130\n")
+    (work / "done").touch()
+    assert report.summary(out, work) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is False
+    assert summary["failed_steps"] == ["tests"]
+    assert summary["steps"]["tests"]["timed_out"] is True
+    tests = summary["tests"]
+    assert tests["counts"] == {"failed": 1, "passed": 1}
+    assert "Timeout" in tests["failed"]["t.py::test_b"]
+    assert tests["running_when_stopped"] == ["t.py::test_c"]
+    assert tests["finished"] is False
+    assert "no junit report" in summary["junit"]["error"]
+
+
+def test_a_step_skipped_for_time_is_not_ok(report: ModuleType, tmp_path: Path) -> None:
+    (tmp_path / "steps.tsv").write_text("tests\t0\t130\t20\nbench\tskipped: out of time\t0\t0\n")
+    (tmp_path / "done").touch()
+    assert report.summary(tmp_path, tmp_path) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["failed_steps"] == []
+    assert summary["skipped_steps"] == ["bench"]
+    assert summary["ok"] is False
+
+
+def test_note_converts_what_the_shell_hands_it(report: ModuleType, tmp_path: Path) -> None:
+    report.note(tmp_path, "shim", ["built=true", "path=/x/_shim.so", "stale=null", "n=3"])
+    data = json.loads((tmp_path / "shim.json").read_text())
+    assert data == {"built": True, "path": "/x/_shim.so", "stale": None, "n": 3}
