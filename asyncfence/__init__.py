@@ -9,10 +9,11 @@ Thread-safety: :func:`record`, :func:`configure`, and a fence's ``done()``,
 happens on an event loop; several loops may await one fence at once.
 """
 
+from ._backend import BackendStatistics as BackendStatistics
+from ._backend import backend_statistics as backend_statistics
 from ._backend import register_backend as _register_backend
 from ._buffers import DeviceBuffer as DeviceBuffer
 from ._buffers import PinnedBuffer as PinnedBuffer
-from ._buffers import StagingPool as StagingPool
 from ._config import Config as Config
 from ._config import configure as configure
 from ._cuda import CudaBackend as _CudaBackend
@@ -26,10 +27,13 @@ from ._fence import record as record
 from ._loops import current_statistics as current_statistics
 from ._opencl import OpenCLBackend as _OpenCLBackend
 from ._poller import PollerStatistics as PollerStatistics
+from ._staging import StagingPool as StagingPool
+from ._staging import StagingPoolStatistics as StagingPoolStatistics
 from ._watcher import WatcherStatistics as WatcherStatistics
 from ._watcher import watcher_statistics as watcher_statistics
 
 __all__ = (
+    "BackendStatistics",
     "Config",
     "DeviceBuffer",
     "DeviceError",
@@ -41,7 +45,9 @@ __all__ = (
     "PinnedBuffer",
     "PollerStatistics",
     "StagingPool",
+    "StagingPoolStatistics",
     "WatcherStatistics",
+    "backend_statistics",
     "configure",
     "current_statistics",
     "record",

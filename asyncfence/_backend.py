@@ -16,10 +16,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Backend",
+    "BackendStatistics",
     "Marker",
     "NativeSignal",
     "QueueInfo",
     "backend_for",
+    "backend_statistics",
     "register_backend",
     "signal_path",
 ]
@@ -44,6 +46,29 @@ class QueueInfo:
     key: Hashable
     in_order: bool
     domain: Hashable | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStatistics:
+    """A snapshot of what a device backend holds, process-wide.
+
+    Attributes:
+        backend: Its name, ``"opencl"`` or ``"cuda"``.
+        pooled_markers: Idle markers kept for reuse (CUDA events, pooled per
+            context), so that recording creates none in the steady state.
+        held_markers: Markers released while still pending, kept alive until
+            they settle (OpenCL: PoCL may abort the process otherwise), and
+            failed ones kept for good (the most recent few thousand).
+        side_streams: Streams the backend made for completion signals.
+        signal_path: How completion signals reach the runtime (see
+            :meth:`Backend.signal_path`); ``None`` before the first.
+    """
+
+    backend: str
+    pooled_markers: int = 0
+    held_markers: int = 0
+    side_streams: int = 0
+    signal_path: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +182,10 @@ class Backend(Protocol):
         """
         ...
 
+    def statistics(self) -> BackendStatistics:
+        """Return a snapshot of what the backend holds. Thread-safe."""
+        ...
+
     def release(self, marker: Marker) -> None:
         """Give ``marker`` back; it may still be pending.
 
@@ -173,6 +202,14 @@ def register_backend(backend: Backend) -> None:
     """Add a backend that :func:`backend_for` will consult, in order."""
     _backends.append(backend)
     _by_type.clear()
+
+
+def backend_statistics() -> tuple[BackendStatistics, ...]:
+    """A snapshot of every device backend: the markers and streams each holds.
+
+    Thread-safety: safe to call from any thread.
+    """
+    return tuple(backend.statistics() for backend in _backends)
 
 
 def signal_path(name: str) -> str | None:

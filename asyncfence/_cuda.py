@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from ._backend import Marker, NativeSignal, QueueInfo
+from ._backend import BackendStatistics, Marker, NativeSignal, QueueInfo
 from ._exceptions import DeviceError, DriverNotFoundError, FenceError
 
 if TYPE_CHECKING:
@@ -720,3 +720,11 @@ class CudaBackend:
     def pooled_events(self) -> int:
         """How many idle events the pools hold, across contexts."""
         return sum(len(pool) for pool in list(self._pools.values()))
+
+    def statistics(self) -> BackendStatistics:
+        return BackendStatistics(
+            backend=self.name,
+            pooled_markers=self.pooled_events(),
+            side_streams=sum(len(lanes) for lanes in list(self._side_streams.values())),
+            signal_path=self.host_function_path(),
+        )

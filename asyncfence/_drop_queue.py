@@ -18,6 +18,8 @@ from ._config import check_timeout, current_config
 from ._exceptions import FenceError
 from ._fence import FAILED, PENDING, Fence
 from ._loops import current_poller
+from ._sync import Changes
+from ._validation import check_callable, check_int
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -126,13 +128,7 @@ def _fences_of(fence_or_fences: Fence | Iterable[Fence]) -> list[Fence]:
 
 
 def _limit(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be None or an int, got {type(value).__qualname__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-    return value
+    return None if value is None else check_int(name, value, minimum=1)
 
 
 @final
@@ -157,7 +153,7 @@ class DropQueue:
       ``KeyboardInterrupt`` or ``SystemExit``, which they raise as itself.
     * An object whose fences failed (a device fault) is not freed as if its
       work were done: it goes to ``on_fault(obj, error)``. The default handler
-      logs a warning and keeps the object, for :attr:`faulted`: memory a
+      logs a warning and keeps the object, for :attr:`faulted_objects`: memory a
       faulted device may still touch is never handed back for reuse.
 
     Cancellation: cancelling :meth:`wait_for_room`, :meth:`drain` or
@@ -181,8 +177,7 @@ class DropQueue:
         max_items: int | None = None,
         on_fault: FaultHandler | None = None,
     ) -> None:
-        if on_fault is not None and not callable(on_fault):
-            raise TypeError(f"on_fault must be callable, got {type(on_fault).__qualname__}")
+        check_callable("on_fault", on_fault, optional=True)
         self._max_bytes = _limit("max_bytes", max_bytes)
         self._max_items = _limit("max_items", max_items)
         self._on_fault = on_fault or self._keep_faulted
@@ -198,7 +193,7 @@ class DropQueue:
         self._faulted_count = 0
         self._free_errors: list[BaseException] = []
         self._faulted: list[tuple[object, BaseException]] = []
-        self._changed: anyio.Event | None = None
+        self._changes = Changes()
         self._closed = False
         self._poller: Poller | None = None
         with contextlib.suppress(RuntimeError):  # no running loop: bound on first use
@@ -238,15 +233,12 @@ class DropQueue:
             RuntimeError: The queue is closed.
         """
         fences = _fences_of(fence_or_fences)
-        if free is not None and not callable(free):
-            raise TypeError(f"free must be callable, got {type(free).__qualname__}")
+        check_callable("free", free, optional=True)
         if nbytes is None:
             size = getattr(obj, "nbytes", 0)
             nbytes = size if isinstance(size, int) and size >= 0 else 0
-        elif isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            raise TypeError(f"nbytes must be an int, got {type(nbytes).__qualname__}")
-        elif nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        else:
+            check_int("nbytes", nbytes, minimum=0)
         if self._poller is None:
             with contextlib.suppress(RuntimeError):  # from a loop: that loop owns the queue
                 self._bind()
@@ -282,7 +274,7 @@ class DropQueue:
             )
 
     @property
-    def faulted(self) -> list[tuple[object, BaseException]]:
+    def faulted_objects(self) -> list[tuple[object, BaseException]]:
         """Objects the default ``on_fault`` kept, with the errors: a copy."""
         with self._lock:
             return list(self._faulted)
@@ -386,17 +378,7 @@ class DropQueue:
             if free_error is not None:
                 self._failed_frees += 1
                 self._free_errors.append(free_error)
-        changed, self._changed = self._changed, None
-        if changed is not None:
-            changed.set()
-
-    async def _until(self, condition: Callable[[], bool]) -> None:
-        """Wait on the loop until ``condition()`` holds; always a checkpoint."""
-        await anyio.lowlevel.checkpoint()
-        while not condition():
-            if self._changed is None:
-                self._changed = anyio.Event()
-            await self._changed.wait()
+        self._changes.notify()
 
     def _raise_free_errors(self) -> None:
         """Raise what ``free`` raised since the last call (see :meth:`drain`)."""
@@ -425,10 +407,7 @@ class DropQueue:
             ValueError: ``nbytes`` is negative.
             RuntimeError: The queue belongs to another event loop.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            raise TypeError(f"nbytes must be an int, got {type(nbytes).__qualname__}")
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        check_int("nbytes", nbytes, minimum=0)
         self._bind()
 
         def fits() -> bool:
@@ -439,7 +418,7 @@ class DropQueue:
                 return True
             return pending == 0
 
-        await self._until(fits)
+        await self._changes.wait_until(fits)
 
     async def drain(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 (the API)
         """Wait until everything deferred before this call has been released.
@@ -476,7 +455,7 @@ class DropQueue:
             await anyio.lowlevel.checkpoint()
         else:
             with anyio.fail_after(None if seconds == float("inf") else seconds):
-                await self._until(done)
+                await self._changes.wait_until(done)
         self._raise_free_errors()
 
     async def aclose(self, *, cancel_pending: bool = False) -> None:

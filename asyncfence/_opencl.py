@@ -15,7 +15,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._backend import Marker, NativeSignal, QueueInfo
+from ._backend import BackendStatistics, Marker, NativeSignal, QueueInfo
 from ._exceptions import DeviceError
 
 if TYPE_CHECKING:
@@ -195,6 +195,13 @@ class OpenCLBackend:
     def parked_markers(self) -> int:
         """How many released markers are still held until they settle."""
         return len(self._graveyard)
+
+    def statistics(self) -> BackendStatistics:
+        return BackendStatistics(
+            backend=self.name,
+            held_markers=len(self._graveyard) + len(self._failed),
+            signal_path=self.signal_path(),
+        )
 
 
 _CL_COMPLETE = 0

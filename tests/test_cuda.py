@@ -211,6 +211,8 @@ async def test_ten_thousand_fences_on_eight_streams_reuse_pooled_events(
         steady = emulator.live_events()
         created = emulator.events_created()
         assert steady == backend.pooled_events() + _events_in_use()
+        (stats,) = [s for s in asyncfence.backend_statistics() if s.backend == "cuda"]
+        assert stats.pooled_markers == backend.pooled_events()
         await round_of_fences()
         assert emulator.events_created() == created  # steady state: no cuEventCreate
         assert emulator.live_events() == steady

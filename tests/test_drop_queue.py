@@ -194,7 +194,7 @@ async def test_an_on_fault_raising_a_base_exception_keeps_the_object(
         gate.fail()
     with anyio.fail_after(10):
         await dq.drain()
-    assert [obj for obj, _ in dq.faulted] == [kept]
+    assert [obj for obj, _ in dq.faulted_objects] == [kept]
     assert kept.freed == 0
     dq.defer([], other, free=Buffer.free)
     await dq.aclose()
@@ -245,7 +245,7 @@ async def test_by_default_faulted_objects_are_logged_and_kept(
             gate.fail()
         await dq.drain()
         assert victim.freed == 0
-        [(kept, error)] = dq.faulted
+        [(kept, error)] = dq.faulted_objects
         assert kept is victim
         assert isinstance(error, DeviceError)
     assert any(
@@ -263,7 +263,7 @@ async def test_a_failing_on_fault_keeps_the_object(queue: cl.CommandQueue) -> No
             dq.defer(asyncfence.record(queue), Buffer("x"))
             gate.fail()
         await dq.drain()
-        assert len(dq.faulted) == 1
+        assert len(dq.faulted_objects) == 1
 
 
 # -- close ------------------------------------------------------------------------------
@@ -510,6 +510,22 @@ async def test_staging_pool_retires_buffers_of_failed_work(queue: cl.CommandQueu
     with pytest.raises(RuntimeError, match="lost to a device fault"):
         await pool.acquire()
     await pool.aclose()
+
+
+async def test_staging_pool_statistics_follow_its_buffers(queue: cl.CommandQueue) -> None:
+    async with StagingPool(lambda: bytearray(8), 3) as pool:
+        assert pool.statistics() == asyncfence.StagingPoolStatistics(3, 3, 0, 0, 0, False)
+        first, second = await pool.acquire(), await pool.acquire()
+        with hold(queue) as gate:
+            pool.release_after(asyncfence.record(queue), first)
+            await until(lambda: pool.statistics().returning == 1)
+            assert pool.statistics() == asyncfence.StagingPoolStatistics(3, 1, 1, 1, 0, False)
+            gate.fail()
+        await until(lambda: pool.statistics().lost == 1)
+        assert pool.statistics() == asyncfence.StagingPoolStatistics(3, 1, 0, 1, 1, False)
+        pool.release_after([], second)
+    assert pool.statistics().closed  # async with closed it
+    assert "1 lost" in repr(pool)
 
 
 async def test_a_staging_pool_made_outside_a_loop_gets_buffers_back_from_threads(
