@@ -1,4 +1,7 @@
-"""Command line: ``python -m asyncfence demo``, ``bench`` and ``soak``."""
+"""Command line: ``python -m asyncfence demo``, ``bench`` and ``soak``.
+
+The commands live in :mod:`asyncfence._tools`, apart from the library.
+"""
 
 from __future__ import annotations
 
@@ -6,36 +9,69 @@ import argparse
 import asyncio
 import sys
 
+_DESCRIPTION = "asyncfence's own tools: a demo, the benchmark, and a soak run."
+
+
+def _bench_description() -> str:
+    from ._tools.bench import SCENARIOS, BenchConfig, estimate_seconds
+
+    full = estimate_seconds(BenchConfig(), 6, cuda=False)
+    quick = estimate_seconds(BenchConfig.smoke(), 6, cuda=False)
+    listed = "\n".join(f"  {s.key:<24} {s.title}" for s in SCENARIOS)
+    return (
+        "Measure every waiting strategy beside the usual baselines, in one process, "
+        f"interleaved.\nA full run takes about {full / 60:.0f} minutes on a 2-core machine, "
+        f"--quick about {quick:.0f} s (each run prints its own estimate as it starts).\n\n"
+        f"Scenarios:\n{listed}"
+    )
+
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen command; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m asyncfence", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m asyncfence", description=_DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="record fences on the default device and await them")
+    commands.add_parser(
+        "demo",
+        help="record fences on the default device and await them",
+        description="Record fences on the default device and await them.",
+    )
     bench = commands.add_parser(
-        "bench", help="measure every waiting strategy beside the usual baselines"
+        "bench",
+        help="measure every waiting strategy beside the usual baselines",
+        description=_bench_description(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("--device", choices=("cuda", "opencl"), help="default: CUDA if present")
-    bench.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
-    bench.add_argument("--json", metavar="PATH", help="write the report as JSON")
-    bench.add_argument("--plot", metavar="PATH", help="plot the distributions (matplotlib)")
+    bench.add_argument(
+        "--quick", action="store_true", help="a smoke run: every scenario, tiny trial counts"
+    )
+    bench.add_argument(
+        "--json", metavar="PATH", help="write the report as JSON, rewritten after each scenario"
+    )
+    bench.add_argument(
+        "--plot", metavar="PATH", help="plot the distributions (needs matplotlib: the bench extra)"
+    )
     bench.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
     bench.add_argument("--quiet", action="store_true", help="no progress lines")
     bench.add_argument(
         "--spin-budget", type=float, metavar="SECONDS", help="the spin budget to measure with"
     )
-    soak = commands.add_parser("soak", help="a long run that checks memory and loop lag stay flat")
+    soak = commands.add_parser(
+        "soak",
+        help="a long run that checks memory and loop lag stay flat",
+        description="A long run that checks memory and loop lag stay flat.",
+    )
     soak.add_argument("--minutes", type=float, default=10.0, help="how long (default 10)")
     args = parser.parse_args(argv)
 
     if args.command == "soak":
-        from ._soak import run_soak
+        from ._tools.soak import run_soak
 
         return run_soak(args.minutes)
 
     if args.command == "bench":
-        from ._bench import run_bench
         from ._config import configure
+        from ._tools.bench import run_bench
 
         if args.spin_budget is not None:
             configure(spin_budget=args.spin_budget)
@@ -48,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             quiet=args.quiet,
         )
         return 0
-    from ._demo import demo
+    from ._tools.demo import demo
 
     return asyncio.run(demo())
 

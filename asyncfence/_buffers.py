@@ -105,7 +105,7 @@ class PinnedBuffer(_CudaAllocation):
         from ._cuda import check, current_context, driver
 
         size = _check_nbytes(nbytes)
-        drv = driver()
+        drv = driver("pinned host memory (PinnedBuffer)")
         flags = drv.CU_MEMHOSTALLOC_PORTABLE | drv.CU_MEMHOSTALLOC_DEVICEMAP
         address = int(check(drv.cuMemHostAlloc(size, flags), "cuMemHostAlloc"))
         super().__init__(address, size, current_context(drv))
@@ -142,7 +142,7 @@ class DeviceBuffer(_CudaAllocation):
         from ._cuda import check, current_context, driver
 
         size = _check_nbytes(nbytes)
-        drv = driver()
+        drv = driver("device memory (DeviceBuffer)")
         address = int(check(drv.cuMemAlloc(size), "cuMemAlloc"))
         super().__init__(address, size, current_context(drv))
 

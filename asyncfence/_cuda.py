@@ -101,8 +101,12 @@ def _per_thread_mode_requested() -> bool:
         return False
 
 
-def driver() -> ModuleType:
+def driver(needed_for: str = "CUDA streams") -> ModuleType:
     """Return ``cuda.bindings.driver``, with the driver initialised.
+
+    Args:
+        needed_for: What the caller wants the driver for, for the error
+            message where there is none.
 
     Raises:
         DriverNotFoundError: No NVIDIA driver (``libcuda.so.1``) could be loaded.
@@ -121,13 +125,13 @@ def driver() -> ModuleType:
         if _driver_module is None:
             _initialising = True
             try:
-                _driver_module = _initialise()
+                _driver_module = _initialise(needed_for)
             finally:
                 _initialising = False
     return _driver_module
 
 
-def _initialise() -> ModuleType:
+def _initialise(needed_for: str) -> ModuleType:
     """``cuInit``; called once, under the driver lock."""
     global _per_thread_default_stream
     from cuda.bindings import driver as drv
@@ -138,7 +142,7 @@ def _initialise() -> ModuleType:
         (err,) = drv.cuInit(0)
     except RuntimeError as missing:  # cuda.pathfinder's DynamicLibNotFoundError
         raise DriverNotFoundError(
-            "the NVIDIA driver (libcuda.so.1) was not found: CUDA streams need an "
+            f"the NVIDIA driver (libcuda.so.1) was not found: {needed_for} need an "
             "NVIDIA GPU with its driver installed; without one, use OpenCL "
             "(pip install 'asyncfence[opencl]')"
         ) from missing

@@ -71,10 +71,13 @@ def gpu_present() -> bool:
     return _gpu_found
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Skip ``gpu``-marked tests where there is no GPU."""
-    if item.get_closest_marker("gpu") is not None and not gpu_present():
-        pytest.skip("needs an NVIDIA GPU")
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu``-marked tests where there is no GPU, reported at each test."""
+    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if marked and not gpu_present():
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (driver and device); none found")
+        for item in marked:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -1,19 +1,55 @@
-"""The benchmark: a quick run reports every scenario for every contender."""
+"""The benchmark and the tools: every scenario for every contender, and the report's arithmetic."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from asyncfence._bench import TO_THREAD, Results, percentile, summarize
+from asyncfence._tools.bench import runner
+from asyncfence._tools.bench.base import (
+    AUTO,
+    CONTENDER_ORDER,
+    PARK,
+    POLL,
+    SLEEP_0,
+    SLEEP_1MS,
+    TO_THREAD,
+    BenchConfig,
+    Results,
+    default_executor_workers,
+)
+from asyncfence._tools.bench.report import build_report, render, summarize
+from asyncfence._tools.bench.signal_hold import PYTHON_CALLBACK, native_label
+from asyncfence._tools.bench.targets import (
+    Contender,
+    contenders,
+    make_target,
+    probe_contenders,
+)
+from asyncfence._tools.measure import percentile, plural
 
 ROOT = Path(__file__).resolve().parent.parent
+EVERYONE = [AUTO, PARK, POLL, TO_THREAD, SLEEP_1MS, SLEEP_0]
+LATENCY = [
+    "wake_latency",
+    "wake_latency_short_work",
+    "wake_fresh_queue",
+    "wake_64_queues",
+    "wake_saturated_loop",
+    "wake_cpu_thread",
+    "out_of_order_park",
+]
+# A run small enough for a test in this process: one trial or two of everything.
+TINY = dataclasses.replace(BenchConfig.smoke(), wake_trials=2, probe_timeout_s=2.0)
 
 
 def run_quick_bench(
@@ -29,6 +65,9 @@ def run_quick_bench(
     )
 
 
+# -- arithmetic ---------------------------------------------------------------------------
+
+
 def test_percentile_is_nearest_rank() -> None:
     samples = [float(v) for v in range(1, 101)]
     assert percentile(samples, 0.5) == 50.0
@@ -36,21 +75,298 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile(samples, 1.0) == 100.0
     assert percentile([3.0], 0.99) == 3.0
     assert math.isnan(percentile([], 0.5))
+    assert percentile([1.0, math.inf], 0.99) == math.inf  # a timeout sorts last
 
 
-def test_summary_takes_ratios_within_the_run() -> None:
+def test_plural() -> None:
+    assert plural(1, "task") == "1 task"
+    assert plural(64, "task") == "64 tasks"
+    assert plural(1000, "query", "queries") == "1,000 queries"
+
+
+def test_summary_takes_overheads_and_ratios_from_the_samples() -> None:
     results = Results(meta={})
-    results.wake = {TO_THREAD: [100e-6, 100e-6, 100e-6], "fast": [50e-6, 50e-6, 50e-6]}
-    results.cpu = {"sleep(0) loop": [1.0], "fast": [0.01]}
+    us = 1e-6
+    results.latency["wake_latency"] = {
+        # Deliberately out of table order: the summary sorts.
+        TO_THREAD: [100 * us, 110 * us, 400 * us],
+        SLEEP_0: [10 * us, 20 * us, 90 * us],
+        AUTO: [60 * us, 50 * us, 300 * us],
+    }
+    results.latency["wake_saturated_loop"] = {
+        SLEEP_0: [1000 * us, 1000 * us, 1200 * us],
+        TO_THREAD: [5000 * us, math.inf, math.inf],
+        AUTO: [3000 * us, 3500 * us, 4000 * us],
+    }
+    results.latency["wake_cpu_thread"] = {
+        SLEEP_0: [1e-3, 2e-3, 3e-3, 4e-3],
+        AUTO: [1e-3, 12e-3, 13e-3, math.inf],
+    }
+    results.cpu["cpu_while_parked"] = {SLEEP_0: [1.0, 0.9, 1.1], PARK: [0.01, 0.02, 0.03]}
     results.throughput = {
         TO_THREAD: {1: [1000.0], 64: [2000.0]},
-        "fast": {1: [3000.0], 64: [8000.0]},
+        AUTO: {1: [3000.0], 64: [8000.0]},
     }
     summary = summarize(results)
-    assert summary["wake_latency"]["fast"]["p50_vs_to_thread"] == pytest.approx(0.5)
-    assert summary["cpu_while_waiting"]["fast"]["vs_busy_poll"] == pytest.approx(0.01)
-    assert summary["throughput"]["fast"]["1_tasks_vs_to_thread"] == pytest.approx(3.0)
-    assert summary["throughput"]["fast"]["64_tasks_vs_to_thread"] == pytest.approx(4.0)
+
+    wake = summary["wake_latency"]
+    assert list(wake) == [AUTO, TO_THREAD, SLEEP_0]  # table order
+    assert wake[AUTO]["p50_us"] == pytest.approx(60)
+    assert wake[AUTO]["p99_us"] == pytest.approx(300)
+    assert wake[AUTO]["max_us"] == pytest.approx(300)
+    assert wake[AUTO]["p50_over_floor_us"] == pytest.approx(60 - 20)
+    assert wake[AUTO]["p99_over_floor_us"] == pytest.approx(300 - 90)
+    assert wake[AUTO]["p50_vs_to_thread"] == pytest.approx(60 / 110)
+    assert wake[SLEEP_0]["p50_over_floor_us"] == 0
+    assert wake[TO_THREAD]["p50_vs_to_thread"] == pytest.approx(1.0)
+    assert wake[AUTO]["trials"] == 3
+    assert wake[AUTO]["timeouts"] == 0
+
+    saturated = summary["wake_saturated_loop"]
+    assert saturated[TO_THREAD]["timeouts"] == 2
+    assert saturated[TO_THREAD]["p50_us"] is None  # lands on a timeout
+    assert saturated[TO_THREAD]["p99_us"] is None
+    assert saturated[TO_THREAD]["p99_over_floor_us"] is None
+    assert saturated[AUTO]["p50_over_floor_us"] == pytest.approx(3500 - 1000)
+    assert saturated[AUTO]["p99_over_floor_us"] == pytest.approx(4000 - 1200)
+    assert saturated[AUTO]["p50_vs_to_thread"] is None
+
+    late = summary["wake_cpu_thread"]
+    assert late[AUTO]["late_share"] == pytest.approx(3 / 4)  # over 11 ms, the timeout too
+    assert late[SLEEP_0]["late_share"] == 0
+
+    parked = summary["cpu_while_parked"]
+    assert parked[PARK]["cpu_per_wall"] == pytest.approx(0.02)
+    assert parked[PARK]["vs_busy_poll"] == pytest.approx(0.02)
+    rates = summary["throughput"]
+    assert rates[AUTO]["1_tasks_vs_to_thread"] == pytest.approx(3.0)
+    assert rates[AUTO]["64_tasks_vs_to_thread"] == pytest.approx(4.0)
+    assert "scale" not in summary  # only what ran
+
+    report = build_report(results)
+    text = json.dumps(report, allow_nan=False)  # no NaN, no infinity
+    assert json.loads(text)["samples"]["wake_saturated_loop_s"][TO_THREAD] == [5e-3, None, None]
+
+
+def test_plain_tables_without_rich(capsys: pytest.CaptureFixture[str]) -> None:
+    results = Results(
+        meta={
+            "backend": "opencl",
+            "device": "a device",
+            "cpu_count": 1,
+            "python": "3",
+            "loop": "asyncio",
+            "asyncfence": "0",
+            "quick": True,
+            "default_executor_workers": 5,
+            "left_out": {"numba async_done": "AttributeError: no"},
+            "config": dataclasses.asdict(BenchConfig.smoke()),
+        }
+    )
+    results.latency["wake_saturated_loop"] = {SLEEP_0: [1e-3], TO_THREAD: [math.inf]}
+    results.throughput = {TO_THREAD: {1: [10.0], 16: [20.0]}}
+    render(results.meta, summarize(results), plain=True)
+    out = capsys.readouterr().out
+    assert "1 core |" in out
+    assert "left out numba async_done: AttributeError: no" in out
+    assert "> 0.2 s" in out
+    assert "1 task" in out
+    assert "1 tasks" not in out
+    assert "16 tasks" in out
+
+
+# -- probe and incremental report, in this process -------------------------------------------
+
+
+async def _hangs(token: Any) -> None:
+    await asyncio.Event().wait()
+
+
+async def _raises(token: Any) -> None:
+    raise AttributeError("'CUstream' object has no attribute 'value'")
+
+
+def test_a_contender_whose_probe_fails_is_left_out_with_the_reason() -> None:
+    from asyncfence.testing import open_default_device
+
+    target = make_target(open_default_device("opencl"))
+    found = contenders(target)
+    broken = Contender("broken", target.raw_record, _raises)
+    stuck = Contender("stuck", target.raw_record, _hangs)
+
+    async def probe() -> tuple[list[Contender], dict[str, str]]:
+        return await probe_contenders(target, [*found, broken, stuck], 0.2, quiet=True)
+
+    try:
+        admitted, left_out = asyncio.run(probe())
+    finally:
+        target.close()
+    assert [c.name for c in admitted] == EVERYONE
+    assert left_out == {
+        "broken": "AttributeError: 'CUstream' object has no attribute 'value'",
+        "stuck": "its probe did not finish within 0.2 s",
+    }
+
+
+@pytest.fixture
+def with_broken_contender(monkeypatch: pytest.MonkeyPatch) -> None:
+    def more(target: Any) -> list[Contender]:
+        return [*contenders(target), Contender("numba async_done", target.raw_record, _raises)]
+
+    monkeypatch.setattr(runner, "contenders", more)
+
+
+@pytest.mark.usefixtures("with_broken_contender")
+def test_a_run_leaves_out_a_contender_that_cannot_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bench.json"
+    report = runner.run_bench(
+        device="opencl", json_path=str(path), config=TINY, scenarios=["wake_latency"]
+    )
+    written = json.loads(path.read_text())
+    assert written["meta"]["left_out"] == {
+        "numba async_done": "AttributeError: 'CUstream' object has no attribute 'value'"
+    }
+    assert written["meta"]["contenders"] == EVERYONE
+    assert list(written["summary"]["wake_latency"]) == EVERYONE
+    assert report["meta"]["left_out"] == written["meta"]["left_out"]
+    captured = capsys.readouterr()
+    assert "left out numba async_done: AttributeError" in captured.err  # at once
+    assert "left out numba async_done: AttributeError" in captured.out  # and in the report
+
+
+def test_the_report_keeps_what_was_measured_when_a_later_scenario_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def boom(ctx: Any) -> None:
+        raise RuntimeError("the device fell over")
+
+    failing = runner.Scenario("boom", "a scenario that fails", boom, lambda c, n: 0.0)
+    monkeypatch.setattr(runner, "SCENARIOS", [*runner.SCENARIOS, failing])
+    path = tmp_path / "bench.json"
+    with pytest.raises(RuntimeError, match="fell over"):
+        runner.run_bench(
+            device="opencl",
+            json_path=str(path),
+            config=TINY,
+            scenarios=["wake_latency", "boom"],
+            quiet=True,
+        )
+    written = json.loads(path.read_text())
+    assert written["meta"]["completed"] == ["wake_latency"]
+    assert written["meta"]["scenarios"] == ["wake_latency", "boom"]
+    assert "boom raised RuntimeError: the device fell over" in written["meta"]["incomplete"]
+    assert list(written["summary"]) == ["wake_latency"]
+    for figures in written["summary"]["wake_latency"].values():
+        assert figures["trials"] == TINY.wake_trials
+    assert written["samples"]["wake_latency_s"][AUTO]
+
+
+def test_an_unknown_scenario_is_refused() -> None:
+    with pytest.raises(ValueError, match="no such scenarios: nope"):
+        runner.run_bench(device="opencl", scenarios=["nope"])
+
+
+def test_plot_without_matplotlib_fails_before_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(backend: str | None = None) -> None:
+        raise AssertionError("measured before checking for matplotlib")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    monkeypatch.setattr(runner, "open_default_device", never)
+    with pytest.raises(SystemExit, match="--plot needs matplotlib"):
+        runner.run_bench(device="opencl", plot_path="never.png")
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def test_bench_help_names_every_scenario_and_how_long(capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncfence.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out
+    assert "A full run takes about" in out
+    for scenario in runner.SCENARIOS:
+        assert scenario.key in out
+
+
+def test_the_library_does_not_import_its_tools() -> None:
+    code = (
+        "import sys, asyncfence, asyncfence.testing\n"
+        "assert not [m for m in sys.modules if m.startswith('asyncfence._tools')]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+def test_the_demo_succeeds_on_opencl(capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncfence._tools.demo import demo
+
+    assert asyncio.run(demo("opencl")) == 0
+    out = capsys.readouterr().out
+    assert "3 of 3 waiters got DeviceError" in out
+    assert "wake through the" in out
+
+
+def test_the_demo_succeeds_on_cuda(capsys: pytest.CaptureFixture[str], cuda_mode: str) -> None:
+    from asyncfence._tools.demo import demo
+
+    assert asyncio.run(demo("cuda")) == 0
+    out = capsys.readouterr().out
+    assert "asyncfence demo on cuda" in out
+    assert "3. (skipped: the host cannot fail a CUDA stream" in out
+
+
+# -- whole quick runs, as CI and the GPU check do them ------------------------------------------
+
+
+def check_every_scenario(summary: dict[str, Any], names: list[str]) -> None:
+    for key in LATENCY:
+        parks = (AUTO, PARK, POLL, TO_THREAD)
+        expected = [n for n in names if key != "out_of_order_park" or n in parks]
+        figures = summary[key]
+        assert list(figures) == expected, key
+        for name, f in figures.items():
+            assert f["trials"] > 0
+            assert 0 <= f["timeouts"] <= f["trials"]
+            values = [f["p50_us"], f["p99_us"], f["max_us"]]
+            assert all(v is None or v >= 0 for v in values), (key, name, f)
+            present = [v for v in values if v is not None]
+            assert present == sorted(present), (key, name, f)
+            if key != "out_of_order_park":
+                assert f["p50_over_floor_us"] is None or isinstance(f["p50_over_floor_us"], float)
+        if key != "out_of_order_park":
+            floor = figures[SLEEP_0]
+            assert floor["p50_us"] is not None
+            assert floor["p50_over_floor_us"] == 0
+            assert floor["p99_over_floor_us"] == 0
+            for f in figures.values():
+                if f["p50_us"] is not None:
+                    assert f["p50_over_floor_us"] == pytest.approx(f["p50_us"] - floor["p50_us"])
+    assert 0 <= summary["wake_cpu_thread"][AUTO]["late_share"] <= 1
+    for key in ("cpu_while_parked", "cpu_while_waiting"):
+        assert list(summary[key]) == names
+        assert all(f["cpu_per_wall"] >= 0 for f in summary[key].values())
+    parked = summary["parked_queues"]
+    assert list(parked) == names
+    for f in parked.values():
+        assert f["queues"] == BenchConfig.smoke().parked_queues
+        assert f["python_threads_delta"] >= 0
+        assert f["python_heap_mb"] >= 0
+    assert 1 <= parked[TO_THREAD]["python_threads_delta"] <= default_executor_workers()
+    rates = summary["throughput"]
+    assert list(rates) == names
+    for f in rates.values():
+        assert f["1_tasks_per_s"] > 0
+        assert len([k for k in f if k.endswith("_per_s")]) == 2
+    assert list(summary["scale"]) == names
+    for per in summary["scale"].values():
+        assert set(per) == {"10", "1000"}
+        assert all(figures["lag_p99_s"] >= 0 for figures in per.values())
+    assert summary["scale"][POLL]["10"]["tick_mean_s"] > 0
 
 
 def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) -> None:
@@ -68,25 +384,13 @@ def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) 
     meta, summary = report["meta"], report["summary"]
     assert meta["backend"] == "opencl"
     assert meta["cpu_count"] >= 1
-    contenders = meta["contenders"]
-    strategies = {"asyncfence auto", "asyncfence poll", "asyncfence park"}
-    assert strategies | {TO_THREAD, "sleep(1ms) loop", "sleep(0) loop"} <= set(contenders)
-    for name in contenders:
-        for scenario in ("wake_latency", "wake_latency_short_work"):
-            wake = summary[scenario][name]
-            assert 0 < wake["p50_us"] <= wake["p99_us"] <= wake["max_us"]
-        assert summary["cpu_while_waiting"][name]["cpu_per_wall"] >= 0
-        rates = summary["throughput"][name]
-        assert rates["1_tasks_per_s"] > 0
-        assert len([k for k in rates if k.endswith("_per_s")]) == 2
-        assert set(summary["scale"][name]) == {"10", "1000"}
-        for figures in summary["scale"][name].values():
-            assert figures["lag_p99_s"] >= 0
-    assert summary["scale"]["asyncfence poll"]["10"]["tick_mean_s"] > 0
-    assert summary["wake_latency"][TO_THREAD]["p50_vs_to_thread"] == pytest.approx(1.0)
-    for table in ("wake latency", "short work", "CPU while waiting", "throughput", "scale"):
-        assert table in result.stdout
-    assert summary["signal_hold"] == {}  # a CUDA-only scenario
+    assert meta["default_executor_workers"] == default_executor_workers()
+    assert meta["contenders"] == EVERYONE
+    assert meta["left_out"] == {}
+    assert meta["completed"] == meta["scenarios"]
+    assert "incomplete" not in meta
+    assert "signal_hold" not in meta["scenarios"]  # a CUDA-only scenario
+    check_every_scenario(summary, EVERYONE)
     drop = summary["drop_queue"]
     ours, lazy = drop["asyncfence DropQueue"], drop["lazy pool (free at next alloc)"]
     assert ours["objects"] == lazy["objects"] == 10_000
@@ -98,11 +402,20 @@ def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) 
         assert figures["defer_us"] > 0
         assert figures["bytes_per_pending_object"] > 0
         assert 0 < figures["release_latency_p50_us"] <= figures["release_latency_p99_us"]
+    for table in ("saturated loop", "CPU-bound", "out-of-order", "parked waits", "throughput"):
+        assert table in result.stdout
+    assert "1 task" in result.stdout
+    assert "1 tasks" not in result.stdout
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "[1/" in result.stderr  # progress
+    assert f"[1/{len(meta['scenarios'])}]" in result.stderr  # progress
+    assert "left" in result.stderr
+    assert "(estimate)" in result.stderr
 
 
-def test_quick_bench_on_the_emulated_cuda_driver(tmp_path: Path, cuda_mode: str) -> None:
+@pytest.mark.parametrize(("version", "path"), [("13000", "v1"), ("13020", "v2")])
+def test_quick_bench_on_the_emulated_cuda_driver(
+    tmp_path: Path, cuda_mode: str, version: str, path: str
+) -> None:
     if cuda_mode != "emulated":
         pytest.skip("the GPU check runs the CUDA benchmark on a real driver")
     from .cuda_emulator import build
@@ -113,17 +426,24 @@ def test_quick_bench_on_the_emulated_cuda_driver(tmp_path: Path, cuda_mode: str)
         "--json",
         str(report_path),
         "--quiet",
-        env={"LD_LIBRARY_PATH": str(build().parent)},
+        env={
+            "LD_LIBRARY_PATH": str(build().parent),
+            "ASYNCFENCE_EMULATED_DRIVER_VERSION": version,
+        },
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(report_path.read_text())
-    assert report["meta"]["backend"] == "cuda"
-    assert report["meta"]["device"] == "asyncfence emulated device 0"
+    meta = report["meta"]
+    assert meta["backend"] == "cuda"
+    assert meta["device"] == "asyncfence emulated device 0"
+    assert meta["cuda_signal"] == path
+    assert meta["completed"] == meta["scenarios"]
+    names = [n for n in CONTENDER_ORDER if n in meta["contenders"]]
+    assert names == meta["contenders"]
+    assert set(EVERYONE) <= set(names)
+    check_every_scenario(report["summary"], names)
     hold = report["summary"]["signal_hold"]
-    assert set(hold) == {
-        "asyncfence: native host function (shim), cuLaunchHostFunc v2",
-        "Python callback: cuLaunchHostFunc",
-    }
+    assert set(hold) == {native_label(path, meta["wake_path"] == "native"), PYTHON_CALLBACK}
     for figures in hold.values():
         assert 0 <= figures["p50_us"] <= figures["max_us"]
     assert "holds its stream" in result.stdout

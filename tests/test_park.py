@@ -442,7 +442,7 @@ async def test_unknown_strategies_are_refused(queue: Any) -> None:
 @pytest.mark.parametrize("name", ["spin_budget", "poll_cap", "recheck_interval"])
 def test_settings_beyond_a_float_are_refused_by_name(name: str) -> None:
     with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds"):
-        asyncfence.configure(**{name: 10**400})
+        asyncfence.configure(**{name: 10**400})  # type: ignore[arg-type]
 
 
 def test_configure_sets_the_default_strategy() -> None:

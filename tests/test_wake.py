@@ -85,6 +85,7 @@ def test_signals_from_many_threads_arrive_exactly_once(native: Shim) -> None:
     mailbox = NativeMailbox(native)
     slots = [mailbox.signal(token)[1] for token in range(4000)]
     random.Random(0).shuffle(slots)
+
     def fire_all(part: list[int]) -> None:
         for slot in part:
             fire(native, slot)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from typing import TYPE_CHECKING
 
-from ._devices import open_default_device
-from ._exceptions import DeviceError
-from ._fence import record
-from ._loops import current_statistics
-from ._testing import hold
+from asyncfence import DeviceError, current_statistics, record
+from asyncfence.testing import hold, open_default_device
+
+from .measure import plural
+
+if TYPE_CHECKING:
+    from asyncfence._devices import Device
 
 
 async def _heartbeat(beats: list[float]) -> None:
@@ -24,9 +27,30 @@ def _micros(since: float) -> str:
     return f"{(time.perf_counter() - since) * 1e6:.0f} µs"
 
 
-async def demo() -> int:
-    """Run the demo; returns the process exit status."""
-    device = open_default_device()
+async def _failure(device: Device) -> bool:
+    """Step 3; whether every waiter got the error."""
+    if device.backend == "cuda":
+        print("3. (skipped: the host cannot fail a CUDA stream; on OpenCL it fails a queue)")
+        return True
+    stream = device.new_stream()
+    with hold(stream) as gate:
+        fence = record(stream)
+        waiters = [asyncio.create_task(fence.wait()) for _ in range(3)]
+        await asyncio.sleep(0.005)
+        gate.fail()
+        results = await asyncio.gather(*waiters, return_exceptions=True)
+    errors = [result for result in results if isinstance(result, DeviceError)]
+    seen = f"code {errors[0].code}, {errors[0].name}" if errors else "none"
+    print(
+        f"3. failed the queue: {len(errors)} of {plural(len(waiters), 'waiter')} "
+        f"got DeviceError ({seen})"
+    )
+    return len(errors) == len(waiters)
+
+
+async def demo(backend: str | None = None) -> int:
+    """Run the demo on the default device (or ``backend``'s); returns the exit status."""
+    device = open_default_device(backend)
     print(f"asyncfence demo on {device.backend}: {device.name}")
     beats: list[float] = []
     heartbeat = asyncio.create_task(_heartbeat(beats))
@@ -55,28 +79,22 @@ async def demo() -> int:
         elapsed_ms = (time.perf_counter() - start) * 1e3
         worst_gap_ms = max((b - a for a, b in itertools.pairwise(beats)), default=0.0) * 1e3
         print(
-            f"2. 25 ms of work on each of {len(streams)} queues, {len(fences)} fences awaited "
-            f"together: done in {elapsed_ms:.0f} ms; meanwhile a 1 ms heartbeat on the loop "
-            f"ran {len(beats)} times, its longest gap {worst_gap_ms:.1f} ms"
+            f"2. 25 ms of work on each of {len(streams)} queues, "
+            f"{plural(len(fences), 'fence')} awaited together: done in {elapsed_ms:.0f} ms; "
+            f"meanwhile a 1 ms heartbeat on the loop ran {plural(len(beats), 'time')}, "
+            f"its longest gap {worst_gap_ms:.1f} ms"
         )
 
         # 3. A failure on the device reaches every waiter as DeviceError.
-        stream = device.new_stream()
-        with hold(stream) as gate:
-            fence = record(stream)
-            waiters = [asyncio.create_task(fence.wait()) for _ in range(3)]
-            await asyncio.sleep(0.005)
-            gate.fail()
-            results = await asyncio.gather(*waiters, return_exceptions=True)
-        errors = [result for result in results if isinstance(result, DeviceError)]
-        seen = f"code {errors[0].code}, {errors[0].name}" if errors else "none"
-        print(
-            f"3. failed the queue: {len(errors)} of {len(waiters)} waiters got DeviceError ({seen})"
-        )
+        failed_everywhere = await _failure(device)
 
         stats = current_statistics()
         state = "running" if stats.running else "idle"
-        print(f"poller: {stats.ticks} ticks, {stats.queries} device queries, now {state}")
-        return 0 if len(errors) == len(waiters) else 1
+        queries = plural(stats.queries, "device query", "device queries")
+        print(
+            f"poller: {plural(stats.ticks, 'tick')}, {queries}, now {state}; "
+            f"parked waits wake through the {stats.wake_path} path"
+        )
+        return 0 if failed_everywhere else 1
     finally:
         heartbeat.cancel()

@@ -9,22 +9,27 @@ program allocates once a millisecond.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 import tracemalloc
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ._drop_queue import DropQueue
-from ._fence import record
-from ._testing import StreamGate
+from asyncfence import DropQueue, record
+from asyncfence.testing import StreamGate
+
+from ..measure import percentile
+from .base import Releaser
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ._bench import BenchConfig, Target
+    from .base import BenchConfig
+    from .targets import Context, Target
 
-__all__ = ["drop_queue_scenarios"]
+__all__ = ["DROP_QUEUE", "LAZY_POOL", "drop_queue"]
+
+DROP_QUEUE = "asyncfence DropQueue"
+LAZY_POOL = "lazy pool (free at next alloc)"
 
 _ALLOCATION_INTERVAL_S = 0.001
 
@@ -58,8 +63,6 @@ async def _allocate_periodically(pool: LazyPool, stop: asyncio.Event) -> None:
 
 async def _release_latency(target: Target, config: BenchConfig, lazy: bool) -> list[float]:
     """From the release of a gate to the free of the object behind it."""
-    from ._bench import Releaser
-
     stream = target.new_stream()
     releaser = Releaser()
     pool = LazyPool(target)
@@ -125,7 +128,7 @@ async def _bytes_per_pending_object(target: Target, lazy: bool) -> float:
 
 async def _many_objects(target: Target, config: BenchConfig, lazy: bool) -> dict[str, float]:
     """Objects across 16 streams; one stream stuck, the others done; then all done."""
-    count = 10_000 if config.quick else 100_000
+    count = config.drop_objects
     streams = [target.new_stream() for _ in range(16)]
     gates = [StreamGate(stream) for stream in streams]
     freed = 0
@@ -163,16 +166,14 @@ async def _many_objects(target: Target, config: BenchConfig, lazy: bool) -> dict
     return figures
 
 
-async def drop_queue_scenarios(target: Target, config: BenchConfig) -> dict[str, Any]:
+async def drop_queue(ctx: Context) -> None:
     """Every drop-queue figure, for asyncfence's queue and for the lazy pool."""
-    results: dict[str, Any] = {}
-    for name, lazy in (("asyncfence DropQueue", False), ("lazy pool (free at next alloc)", True)):
+    target, config = ctx.target, ctx.config
+    for name, lazy in ((DROP_QUEUE, False), (LAZY_POOL, True)):
         latencies = await _release_latency(target, config, lazy)
         figures = await _many_objects(target, config, lazy)
-        figures["objects"] = 10_000 if config.quick else 100_000
+        figures["objects"] = float(config.drop_objects)
         figures["bytes_per_pending_object"] = await _bytes_per_pending_object(target, lazy)
-        ordered = sorted(latencies)
-        figures["release_latency_p50_us"] = statistics.median(ordered) * 1e6
-        figures["release_latency_p99_us"] = ordered[int(0.99 * (len(ordered) - 1))] * 1e6
-        results[name] = figures
-    return results
+        figures["release_latency_p50_us"] = percentile(latencies, 0.5) * 1e6
+        figures["release_latency_p99_us"] = percentile(latencies, 0.99) * 1e6
+        ctx.results.drop[name] = figures

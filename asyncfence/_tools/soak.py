@@ -15,16 +15,19 @@ import threading
 import time
 import tracemalloc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
-from ._bench import percentile
-from ._config import STRATEGIES
-from ._devices import open_default_device
-from ._drop_queue import DropQueue
-from ._fence import record
-from ._watcher import watcher_statistics
+from asyncfence import DropQueue, current_statistics, record
+from asyncfence.testing import open_default_device
+
+from .measure import percentile, plural
+
+if TYPE_CHECKING:
+    from asyncfence import PollerStatistics
 
 __all__ = ["run_soak"]
 
+_STRATEGIES: tuple[Literal["auto", "poll", "park"], ...] = ("auto", "poll", "park")
 _TASKS = 64
 _STREAMS = 16
 # After warm-up, traced memory may not grow by more than this over the run.
@@ -42,7 +45,7 @@ class _Interval:
     threads: int
 
 
-async def _soak(seconds: float, interval_s: float) -> list[_Interval]:
+async def _soak(seconds: float, interval_s: float) -> tuple[list[_Interval], PollerStatistics]:
     device = open_default_device()
     streams = [device.new_stream() for _ in range(_STREAMS)]
     rng = random.Random(0)
@@ -57,7 +60,7 @@ async def _soak(seconds: float, interval_s: float) -> list[_Interval]:
             device.launch_chunks(stream, rng.randint(1, 8))
             fence = record(stream)
             queue.defer(fence, bytearray(4096))
-            strategy = rng.choice(STRATEGIES)
+            strategy = rng.choice(_STRATEGIES)
             plan = rng.random()
             try:
                 if plan < 0.05:
@@ -98,17 +101,19 @@ async def _soak(seconds: float, interval_s: float) -> list[_Interval]:
             )
             row = intervals[-1]
             print(
-                f"{row.at_s:7.1f} s  {row.awaited:>10,} awaited  {row.timeouts:>6,} timeouts  "
-                f"{row.cancellations:>6,} cancelled  lag p99 {row.lag_p99_ms:7.2f} ms  "
+                f"{row.at_s:7.1f} s  {row.awaited:>10,} awaited  "
+                f"{plural(row.timeouts, 'timeout'):>14}  {row.cancellations:>6,} cancelled  "
+                f"lag p99 {row.lag_p99_ms:7.2f} ms  "
                 f"memory {row.memory_bytes / 1e6:7.2f} MB  threads {row.threads}",
                 flush=True,
             )
 
     async with DropQueue(max_items=4 * _TASKS) as queue:
         await asyncio.gather(*(worker(index, queue) for index in range(_TASKS)), probe(), report())
+    statistics = current_statistics()
     for stream in streams:
         device.close_stream(stream)
-    return intervals
+    return intervals, statistics
 
 
 def run_soak(minutes: float) -> int:
@@ -117,7 +122,7 @@ def run_soak(minutes: float) -> int:
     interval_s = max(0.5, min(30.0, seconds / 10))
     tracemalloc.start()
     try:
-        intervals = asyncio.run(_soak(seconds, interval_s))
+        intervals, statistics = asyncio.run(_soak(seconds, interval_s))
     finally:
         tracemalloc.stop()
     if len(intervals) < 3:
@@ -128,9 +133,10 @@ def run_soak(minutes: float) -> int:
     worst_lag = max(row.lag_p99_ms for row in intervals[1:])
     flat = growth < _MEMORY_SLACK_BYTES and last.threads <= warm.threads + _STREAMS
     print(
-        f"{last.awaited:,} fences awaited, {last.timeouts:,} timeouts, "
-        f"{last.cancellations:,} cancellations; memory {growth / 1e6:+.2f} MB after warm-up, "
-        f"worst lag p99 {worst_lag:.2f} ms, watcher parked {watcher_statistics().parked}: "
-        + ("flat" if flat else "NOT flat")
+        f"{plural(last.awaited, 'fence')} awaited, {plural(last.timeouts, 'timeout')}, "
+        f"{plural(last.cancellations, 'cancellation')}; memory {growth / 1e6:+.2f} MB "
+        f"after warm-up, worst lag p99 {worst_lag:.2f} ms, "
+        f"{plural(statistics.signals, 'completion signal')} through the "
+        f"{statistics.wake_path} wake path: " + ("flat" if flat else "NOT flat")
     )
     return 0 if flat else 1

@@ -1,0 +1,243 @@
+"""What every part of the benchmark shares: its settings, its results, and timing helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar, final
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Iterable, Sequence
+
+    from asyncfence.testing import StreamGate
+
+__all__ = [
+    "AUTO",
+    "CONTENDER_ORDER",
+    "LATE_AFTER_S",
+    "NUMBA",
+    "PARK",
+    "POLL",
+    "SLEEP_0",
+    "SLEEP_1MS",
+    "TO_THREAD",
+    "BenchConfig",
+    "Releaser",
+    "Results",
+    "bounded",
+    "default_executor_workers",
+    "latency",
+    "ordered",
+]
+
+AUTO = "asyncfence auto"
+PARK = "asyncfence park"
+POLL = "asyncfence poll"
+TO_THREAD = "to_thread"
+SLEEP_1MS = "sleep(1ms) loop"
+SLEEP_0 = "sleep(0) loop"
+NUMBA = "numba async_done"
+
+#: A wake later than this is "late" beside a CPU-bound thread: more than two
+#: of CPython's 5 ms GIL switch intervals.
+LATE_AFTER_S = 0.011
+
+#: The order every table lists contenders in.
+CONTENDER_ORDER = (AUTO, PARK, POLL, TO_THREAD, SLEEP_1MS, SLEEP_0, NUMBA)
+
+_Value = TypeVar("_Value")
+
+
+def ordered(figures: dict[str, _Value]) -> dict[str, _Value]:
+    """``figures`` with its contender keys in :data:`CONTENDER_ORDER` (others after, as given)."""
+    rank = {name: index for index, name in enumerate(CONTENDER_ORDER)}
+    return dict(sorted(figures.items(), key=lambda item: rank.get(item[0], len(rank))))
+
+
+def default_executor_workers() -> int:
+    """The size of asyncio's default executor, which ``to_thread`` runs on."""
+    return min(32, (os.cpu_count() or 1) + 4)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """How long to run each scenario: trial counts, windows, sizes and timeouts.
+
+    Attributes:
+        quick: The smoke run (``--quick``): every scenario, tiny counts.
+        wake_trials: Trials per contender of the one-waiter wake scenarios.
+        fresh_trials: Trials per contender with a fresh queue per wait.
+        many_queues: Waiters (one queue each) released in random order.
+        many_rounds: Rounds per contender of that scenario.
+        saturated_trials: Trials per contender on the saturated loop.
+        saturated_tasks: Tasks in the ring that keeps the loop busy.
+        saturated_timeout_s: The bound on each trial on the saturated loop.
+        cpu_thread_trials: Trials per contender beside a CPU-bound thread.
+        out_of_order_trials: Trials per contender of out-of-order parking.
+        parked_queues: Held queues with one parked wait each, for threads and RSS.
+        parked_cpu_window_s: How long 64 parked waits are watched for CPU.
+        parked_cpu_trials: Trials per contender of that.
+        cpu_trials: Trials per contender of CPU while waiting on long work.
+        cpu_work_s: How long that work runs.
+        throughput_window_s: Length of each throughput measurement.
+        throughput_rounds: Measurements per contender and task count.
+        scale_sizes: Pending fences in the scale scenario.
+        scale_window_s: How long the loop lag is probed at each size.
+        streams: Streams (and tasks) for throughput's many-task case and scale.
+        drop_objects: Objects deferred in the drop-queue scenario.
+        trial_timeout_s: The bound on any single wait elsewhere.
+        probe_timeout_s: The bound on each contender's probe at setup.
+    """
+
+    quick: bool = False
+    wake_trials: int = 200
+    fresh_trials: int = 100
+    many_queues: int = 64
+    many_rounds: int = 20
+    saturated_trials: int = 20
+    saturated_tasks: int = 8
+    saturated_timeout_s: float = 0.5
+    cpu_thread_trials: int = 100
+    out_of_order_trials: int = 30
+    parked_queues: int = 1000
+    parked_cpu_window_s: float = 0.5
+    parked_cpu_trials: int = 2
+    cpu_trials: int = 5
+    cpu_work_s: float = 0.2
+    throughput_window_s: float = 0.5
+    throughput_rounds: int = 5
+    scale_sizes: tuple[int, ...] = (10, 1000, 10000)
+    scale_window_s: float = 0.5
+    streams: int = 64
+    drop_objects: int = 100_000
+    trial_timeout_s: float = 5.0
+    probe_timeout_s: float = 5.0
+
+    @classmethod
+    def smoke(cls) -> BenchConfig:
+        """A run of a few seconds, to check the benchmark itself works."""
+        return cls(
+            quick=True,
+            wake_trials=12,
+            fresh_trials=6,
+            many_rounds=1,
+            saturated_trials=3,
+            saturated_timeout_s=0.2,
+            cpu_thread_trials=6,
+            out_of_order_trials=3,
+            parked_queues=100,
+            parked_cpu_window_s=0.05,
+            parked_cpu_trials=1,
+            cpu_trials=1,
+            cpu_work_s=0.05,
+            throughput_window_s=0.1,
+            throughput_rounds=1,
+            scale_sizes=(10, 1000),
+            scale_window_s=0.1,
+            streams=16,
+            drop_objects=10_000,
+        )
+
+
+@dataclass
+class Results:
+    """Everything measured so far, keyed by scenario, then by contender.
+
+    Attributes:
+        meta: Device, versions, settings, contenders and those left out.
+        latency: Wake latencies in seconds; ``math.inf`` for a trial that
+            timed out.
+        cpu: CPU seconds of the Python threads per wall second.
+        throughput: Round trips per second, per number of tasks.
+        scale: Loop lag (and poller tick cost) per number of pending fences.
+        footprint: Threads and memory with many waits parked.
+        drop: The drop-queue figures, per queue.
+        signal_hold: How long each completion signal held its stream, in seconds.
+        completed: Scenario keys in the order they finished.
+    """
+
+    meta: dict[str, Any]
+    latency: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    cpu: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    throughput: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    scale: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
+    footprint: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    drop: dict[str, dict[str, float]] = field(default_factory=dict)
+    signal_hold: dict[str, list[float]] = field(default_factory=dict)
+    completed: list[str] = field(default_factory=list)
+
+
+@final
+class Releaser:
+    """A thread that releases gates after delays, stamping the instant of each release.
+
+    Gates stay referenced until their release call has returned (PoCL 3.0 can
+    crash when a gate is dropped while its release runs). Use it as a context
+    manager: leaving waits for every job queued so far.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[list[tuple[float, StreamGate]], list[float]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name="bench releaser", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            steps, stamps = job
+            for delay, gate in steps:
+                if delay > 0:
+                    time.sleep(delay)
+                stamps.append(time.perf_counter())
+                gate.release()
+
+    def release_after(self, delay: float, gate: StreamGate) -> list[float]:
+        """Release ``gate`` ``delay`` seconds from now; the list gets the instant of release."""
+        return self.release_in_turn([(delay, gate)])
+
+    def release_in_turn(self, steps: Iterable[tuple[float, StreamGate]]) -> list[float]:
+        """Release each gate after its delay, one after the other; stamps in the same order."""
+        stamps: list[float] = []
+        self._jobs.put((list(steps), stamps))
+        return stamps
+
+    def close(self) -> None:
+        """Finish the jobs queued so far, then stop the thread."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def __enter__(self) -> Releaser:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+async def _stamped(wait: Awaitable[None]) -> float:
+    await wait
+    return time.perf_counter()
+
+
+async def bounded(wait: Awaitable[None], timeout: float) -> float:
+    """Await ``wait``; the instant it resumed, or ``math.inf`` if ``timeout`` passed first.
+
+    The instant is taken inside the wait's own task, as it resumes, so the
+    timeout's machinery adds nothing to it.
+    """
+    try:
+        return await asyncio.wait_for(_stamped(wait), timeout)
+    except (asyncio.TimeoutError, TimeoutError):
+        return math.inf
+
+
+def latency(resumed: float, stamps: Sequence[float], index: int = 0) -> float:
+    """From the stamped release to ``resumed``; ``math.inf`` for a timeout or a missing stamp."""
+    if not math.isfinite(resumed) or len(stamps) <= index:
+        return math.inf
+    return resumed - stamps[index]

@@ -1,0 +1,203 @@
+"""The scenarios of cost and load: CPU, threads and memory, round trips, scale."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+import time
+import tracemalloc
+from typing import TYPE_CHECKING, Any
+
+import asyncfence
+from asyncfence.testing import StreamGate
+
+from ..measure import loop_lag, os_thread_count, percentile, python_threads_cpu, rss_bytes
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from .targets import Contender, Context
+
+__all__ = [
+    "cpu_while_parked",
+    "cpu_while_waiting",
+    "parked_queues",
+    "scale",
+    "throughput",
+]
+
+# How long waits are given to reach their parked state before measuring.
+_SETTLE_S = 0.05
+# Waits parked on held queues for CPU while parked.
+_PARKED_FOR_CPU = 64
+# The bound on releasing many parked waits at once.
+_RELEASE_ALL_TIMEOUT_S = 120.0
+
+
+class _Parked:
+    """One wait per held stream, started; :meth:`release` lets them all finish."""
+
+    def __init__(self, contender: Contender, streams: list[Any]) -> None:
+        self._contender = contender
+        self._gates = [StreamGate(stream) for stream in streams]
+        self._tokens = [contender.record(stream) for stream in streams]
+        self._waits: list[asyncio.Future[None]] = []
+
+    def start(self) -> None:
+        self._waits = [asyncio.ensure_future(self._contender.wait(token)) for token in self._tokens]
+
+    async def release(self) -> None:
+        """Release every gate; wait for every wait (bounded: a stuck one fails the scenario)."""
+        for gate in self._gates:
+            gate.release()
+        await asyncio.wait_for(asyncio.gather(*self._waits), _RELEASE_ALL_TIMEOUT_S)
+        for token in self._tokens:
+            self._contender.done(token)
+
+
+async def cpu_while_waiting(ctx: Context) -> None:
+    """CPU of the Python threads per wall second while awaiting one long piece of work."""
+    target, config = ctx.target, ctx.config
+    samples = ctx.results.cpu.setdefault("cpu_while_waiting", {})
+    stream = target.new_stream()
+    rng = random.Random(8)
+    for _ in range(config.cpu_trials):
+        for contender in rng.sample(ctx.entrants, len(ctx.entrants)):
+            target.device.launch_busy(stream, config.cpu_work_s)
+            token = contender.record(stream)
+            cpu, wall = python_threads_cpu(), time.perf_counter()
+            await contender.wait(token)
+            wall = time.perf_counter() - wall
+            cpu = python_threads_cpu() - cpu
+            contender.done(token)
+            samples.setdefault(contender.name, []).append(cpu / wall)
+
+
+async def cpu_while_parked(ctx: Context) -> None:
+    """CPU of the Python threads per wall second while 64 waits sit on held queues."""
+    target, config = ctx.target, ctx.config
+    samples = ctx.results.cpu.setdefault("cpu_while_parked", {})
+    streams = [target.new_stream() for _ in range(_PARKED_FOR_CPU)]
+    rng = random.Random(9)
+    for _ in range(config.parked_cpu_trials):
+        for contender in rng.sample(ctx.entrants, len(ctx.entrants)):
+            parked = _Parked(contender, streams)
+            parked.start()
+            await asyncio.sleep(_SETTLE_S)
+            cpu, wall = python_threads_cpu(), time.perf_counter()
+            await asyncio.sleep(config.parked_cpu_window_s)
+            wall = time.perf_counter() - wall
+            cpu = python_threads_cpu() - cpu
+            await parked.release()
+            samples.setdefault(contender.name, []).append(cpu / wall)
+
+
+def _megabytes(after: int | None, before: int | None) -> float | None:
+    return None if after is None or before is None else (after - before) / 1e6
+
+
+async def parked_queues(ctx: Context) -> None:
+    """Threads and memory it takes to keep one wait parked on each of 1,000 held queues.
+
+    Per contender, once: the gates and tokens are made first, then the counts
+    taken, then the waits started and given time to park, then the counts
+    taken again. ``to_thread`` starts from a fresh default executor, so its
+    thread count is the threads it needed. RSS is the whole process's, and
+    the allocator keeps memory an earlier contender freed, which can hide a
+    later one's; the Python heap figure (tracemalloc, over the waits alone)
+    does not depend on the order, but leaves out native memory.
+    """
+    target, config = ctx.target, ctx.config
+    footprint = ctx.results.footprint
+    streams = [target.new_stream() for _ in range(config.parked_queues)]
+    for contender in ctx.entrants:
+        ctx.fresh_default_executor()
+        parked = _Parked(contender, streams)
+        threads, os_threads, rss = threading.active_count(), os_thread_count(), rss_bytes()
+        tracemalloc.start()
+        try:
+            parked.start()
+            await asyncio.sleep(_SETTLE_S + config.parked_queues * 20e-6)
+            traced = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        os_after = os_thread_count()
+        footprint[contender.name] = {
+            "queues": float(config.parked_queues),
+            "python_threads_delta": float(threading.active_count() - threads),
+            "os_threads_delta": (
+                None if os_after is None or os_threads is None else float(os_after - os_threads)
+            ),
+            "rss_delta_mb": _megabytes(rss_bytes(), rss),
+            "python_heap_mb": traced / 1e6,
+        }
+        await parked.release()
+
+
+async def throughput(ctx: Context) -> None:
+    """Record-and-await round trips per second on short work, with 1 task and with many."""
+    target, config = ctx.target, ctx.config
+    rates = ctx.results.throughput
+    streams = [target.new_stream() for _ in range(config.streams)]
+    rng = random.Random(10)
+    for tasks in (1, config.streams):
+        for _ in range(config.throughput_rounds):
+            for contender in rng.sample(ctx.entrants, len(ctx.entrants)):
+                deadline = time.perf_counter() + config.throughput_window_s
+                counts = [0] * tasks
+
+                async def loop(
+                    index: int,
+                    contender: Contender = contender,
+                    deadline: float = deadline,
+                    counts: list[int] = counts,
+                ) -> None:
+                    stream = streams[index]
+                    while time.perf_counter() < deadline:
+                        target.short_work(stream)
+                        token = contender.record(stream)
+                        await contender.wait(token)
+                        contender.done(token)
+                        counts[index] += 1
+
+                start = time.perf_counter()
+                await asyncio.gather(*(loop(i) for i in range(tasks)))
+                rate = sum(counts) / (time.perf_counter() - start)
+                rates.setdefault(contender.name, {}).setdefault(tasks, []).append(rate)
+
+
+@contextlib.contextmanager
+def _timed_ticks(figures: dict[str, float]) -> Iterator[None]:
+    """The running loop's poller ticks over the block, from its statistics."""
+    before = asyncfence.current_statistics()
+    yield
+    after = asyncfence.current_statistics()
+    ticks = after.ticks - before.ticks
+    if ticks:
+        figures["ticks"] = float(ticks)
+        figures["tick_mean_s"] = (after.tick_seconds - before.tick_seconds) / ticks
+
+
+async def scale(ctx: Context) -> None:
+    """10, 1,000 and 10,000 pending fences over held streams: the loop's lag, the tick cost."""
+    target, config = ctx.target, ctx.config
+    streams = [target.new_stream() for _ in range(config.streams)]
+    for size in config.scale_sizes:
+        for contender in ctx.entrants:
+            gates = [StreamGate(stream) for stream in streams]
+            tokens = [contender.record(streams[i % len(streams)]) for i in range(size)]
+            waiters = [asyncio.ensure_future(contender.wait(token)) for token in tokens]
+            await asyncio.sleep(0.01)  # every waiter is parked in its wait
+            ticks: dict[str, float] = {}
+            with _timed_ticks(ticks) if contender.is_asyncfence else contextlib.nullcontext():
+                lags = await loop_lag(time.perf_counter() + config.scale_window_s)
+            for gate in gates:
+                gate.release()
+            await asyncio.wait_for(asyncio.gather(*waiters), timeout=_RELEASE_ALL_TIMEOUT_S)
+            for token in tokens:
+                contender.done(token)
+            figures = {"lag_p99_s": percentile(lags, 0.99), "lag_p50_s": percentile(lags, 0.5)}
+            figures.update(ticks)
+            ctx.results.scale.setdefault(contender.name, {})[size] = figures

@@ -1,0 +1,295 @@
+"""Running the benchmark: the scenarios in order, progress, and a report after each one.
+
+The JSON report (``--json``) is rewritten after every scenario, so a failure
+or a timeout late in a run keeps everything measured before it; a run that
+stopped early says so in ``meta.incomplete``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import asyncfence
+from asyncfence.testing import open_default_device
+
+from . import drop, latency, load, signal_hold
+from .base import BenchConfig, Results
+from .report import build_report, describe, plot, render, require_matplotlib, write_json
+from .targets import Context, CudaTarget, contenders, make_target, probe_contenders
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Sequence
+
+    from asyncfence._devices import Device
+
+__all__ = ["SCENARIOS", "Progress", "Scenario", "estimate_seconds", "run_bench"]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One step of the run.
+
+    Attributes:
+        key: Its key in the report's summary.
+        title: As the progress lines name it.
+        run: Measures, writing into the context's results.
+        estimate_s: Rough seconds it takes, from the settings and the number
+            of contenders (on a 2-core machine).
+        cuda_only: Runs on CUDA devices only.
+    """
+
+    key: str
+    title: str
+    run: Callable[[Context], Awaitable[None]]
+    estimate_s: Callable[[BenchConfig, int], float]
+    cuda_only: bool = False
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario(
+        "wake_latency",
+        "wake latency, one waiter, reused queue",
+        latency.wake_latency,
+        lambda c, n: (c.wake_trials + 1) * n * 0.003,
+    ),
+    Scenario(
+        "wake_latency_short_work",
+        "wake latency, short work",
+        latency.wake_latency_short_work,
+        lambda c, n: (c.wake_trials + 1) * n * 0.0012,
+    ),
+    Scenario(
+        "wake_fresh_queue",
+        "wake latency, a fresh queue per wait",
+        latency.wake_fresh_queue,
+        lambda c, n: (c.fresh_trials + 1) * n * 0.004,
+    ),
+    Scenario(
+        "wake_64_queues",
+        "wake latency, 64 waiters released in random order",
+        latency.many_queues,
+        lambda c, n: (c.many_rounds + 1) * n * (0.005 + c.many_queues * 0.0005),
+    ),
+    Scenario(
+        "wake_saturated_loop",
+        "wake latency on a saturated loop",
+        latency.saturated_loop,
+        lambda c, n: c.saturated_trials * n * 0.006 + 3 * c.saturated_timeout_s,
+    ),
+    Scenario(
+        "wake_cpu_thread",
+        "wake latency beside a CPU-bound thread",
+        latency.wake_beside_cpu_thread,
+        lambda c, n: c.cpu_thread_trials * n * 0.015,
+    ),
+    Scenario(
+        "out_of_order_park",
+        "out-of-order parking",
+        latency.out_of_order,
+        lambda c, n: (c.out_of_order_trials + 1) * 4 * 0.008,
+    ),
+    Scenario(
+        "parked_queues",
+        "threads and memory with parked waits",
+        load.parked_queues,
+        lambda c, n: n * (0.05 + c.parked_queues * 0.0003),
+    ),
+    Scenario(
+        "cpu_while_parked",
+        "CPU while 64 waits are parked",
+        load.cpu_while_parked,
+        lambda c, n: c.parked_cpu_trials * n * (c.parked_cpu_window_s + 0.1),
+    ),
+    Scenario(
+        "cpu_while_waiting",
+        "CPU while waiting on long work",
+        load.cpu_while_waiting,
+        lambda c, n: c.cpu_trials * n * (c.cpu_work_s + 0.02),
+    ),
+    Scenario(
+        "throughput",
+        "throughput",
+        load.throughput,
+        lambda c, n: 2 * c.throughput_rounds * n * c.throughput_window_s,
+    ),
+    Scenario(
+        "scale",
+        "scale",
+        load.scale,
+        lambda c, n: sum(n * (c.scale_window_s + 0.03 + s * 5e-5) for s in c.scale_sizes),
+    ),
+    Scenario(
+        "drop_queue",
+        "drop queue",
+        drop.drop_queue,
+        lambda c, n: 2 * (max(5, c.wake_trials // 4) * 0.002 + c.drop_objects * 4e-5 + 0.3),
+    ),
+    Scenario(
+        "signal_hold",
+        "signal hold",
+        signal_hold.signal_hold,
+        lambda c, n: max(3, c.wake_trials // 4) * 2 * 0.006,
+        cuda_only=True,
+    ),
+]
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min"
+
+
+def estimate_seconds(config: BenchConfig, contenders: int, *, cuda: bool) -> float:
+    """Rough length of a whole run, as ``--help`` and the first line state it."""
+    return sum(s.estimate_s(config, contenders) for s in SCENARIOS if cuda or not s.cuda_only)
+
+
+class Progress:
+    """One line per scenario on stderr, with the time left, corrected as the run goes."""
+
+    def __init__(self, estimates: Sequence[float], quiet: bool) -> None:
+        self._estimates = list(estimates)
+        self._done = 0
+        self._spent = 0.0
+        self._quiet = quiet
+
+    def start(self, text: str) -> None:
+        """Say what is about to run, and how long it should take."""
+        if not self._quiet:
+            print(
+                f"{text}: about {_duration(sum(self._estimates))} (estimate)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def step(self, title: str, seconds: float) -> None:
+        """One scenario finished, in ``seconds``."""
+        self._spent += seconds
+        self._done += 1
+        estimated_so_far = sum(self._estimates[: self._done]) or 1e-9
+        pace = min(4.0, max(0.25, self._spent / estimated_so_far))
+        left = sum(self._estimates[self._done :]) * pace
+        tail = f"~{_duration(left)} left" if self._done < len(self._estimates) else "done"
+        if not self._quiet:
+            print(
+                f"[{self._done}/{len(self._estimates)}] {title}: {seconds:.1f} s; {tail}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _note_wake_path(results: Results) -> None:
+    statistics = asyncfence.current_statistics()
+    results.meta["wake_path"] = statistics.wake_path
+    results.meta["cuda_signal"] = statistics.cuda_signal
+
+
+async def _run(
+    device: Device,
+    config: BenchConfig,
+    results: Results,
+    plan: list[Scenario],
+    json_path: str | None,
+    quiet: bool,
+) -> None:
+    target = make_target(device)
+    meta = results.meta
+    context = Context(target, [], config, results)
+    context.fresh_default_executor()
+    try:
+        device.chunks_for(config.cpu_work_s)  # calibrate before anything is timed
+        context.entrants, meta["left_out"] = await probe_contenders(
+            target, contenders(target), config.probe_timeout_s, quiet=quiet
+        )
+        meta["contenders"] = [c.name for c in context.entrants]
+        plan = [s for s in plan if isinstance(target, CudaTarget) or not s.cuda_only]
+        meta["scenarios"] = [s.key for s in plan]
+        if json_path:
+            write_json(json_path, build_report(results))
+        progress = Progress([s.estimate_s(config, len(context.entrants)) for s in plan], quiet)
+        progress.start(
+            f"asyncfence bench: {len(plan)} scenarios, {len(context.entrants)} contenders"
+        )
+        for scenario in plan:
+            started = time.perf_counter()
+            try:
+                await scenario.run(context)
+            except BaseException as error:
+                meta["incomplete"] = (
+                    f"{scenario.key} raised {type(error).__name__}: {error}; "
+                    "the scenarios before it are complete"
+                )
+                raise
+            else:
+                results.completed.append(scenario.key)
+                meta["completed"] = list(results.completed)
+            finally:
+                _note_wake_path(results)
+                if json_path:
+                    write_json(json_path, build_report(results))
+            progress.step(scenario.title, time.perf_counter() - started)
+    finally:
+        target.close()
+
+
+def run_bench(
+    *,
+    device: str | None = None,
+    quick: bool = False,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    loop: str = "asyncio",
+    quiet: bool = False,
+    config: BenchConfig | None = None,
+    scenarios: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark, print its tables, and write JSON or a plot if asked.
+
+    Args:
+        device: ``"cuda"``, ``"opencl"``, or ``None`` for the default device.
+        quick: The smoke run: every scenario, tiny counts.
+        json_path: Where to write the report; rewritten after every scenario.
+        plot_path: Where to draw the plot (needs matplotlib, checked first).
+        loop: ``"asyncio"`` or ``"uvloop"``.
+        quiet: No progress lines.
+        config: Settings to run with instead of those ``quick`` picks.
+        scenarios: Keys of the scenarios to run (default: all), in run order.
+
+    Returns:
+        The report: ``{"meta": ..., "summary": ..., "samples": ...}``.
+
+    Raises:
+        SystemExit: ``plot_path`` is given and matplotlib is missing.
+        ValueError: ``scenarios`` names one that does not exist.
+    """
+    if plot_path:
+        require_matplotlib()
+    known = {s.key: s for s in SCENARIOS}
+    unknown = [key for key in scenarios or () if key not in known]
+    if unknown:
+        raise ValueError(f"no such scenarios: {', '.join(unknown)}; known: {', '.join(known)}")
+    plan = [known[key] for key in scenarios] if scenarios is not None else list(SCENARIOS)
+    config = config or (BenchConfig.smoke() if quick else BenchConfig())
+    opened = open_default_device(device)
+    results = Results(describe(opened, config, loop))
+    main = _run(opened, config, results, plan, json_path, quiet)
+    try:
+        if loop == "uvloop":
+            import uvloop
+
+            uvloop.run(main)
+        else:
+            asyncio.run(main)
+    except BaseException:
+        render(results.meta, build_report(results)["summary"])  # what was measured
+        raise
+    report = build_report(results)
+    render(results.meta, report["summary"])
+    if plot_path:
+        plot(results, results.meta, plot_path)
+    return report

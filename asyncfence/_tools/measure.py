@@ -1,0 +1,104 @@
+"""Small measuring helpers shared by the benchmark and the soak run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = [
+    "hold_gil",
+    "loop_lag",
+    "os_thread_count",
+    "percentile",
+    "plural",
+    "python_threads_cpu",
+    "rss_bytes",
+]
+
+
+def percentile(samples: Sequence[float], fraction: float) -> float:
+    """The ``fraction`` quantile of ``samples`` (nearest rank); NaN if there are none.
+
+    Infinite samples (trials that timed out) sort last, so a quantile that
+    lands on one is infinite.
+    """
+    if not samples:
+        return math.nan
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))]
+
+
+def plural(count: int, word: str, plural_form: str | None = None) -> str:
+    """``"1 task"``, ``"2 tasks"``, ``"1,000 tasks"``."""
+    form = word if count == 1 else (plural_form or f"{word}s")
+    return f"{count:,} {form}"
+
+
+def python_threads_cpu() -> float:
+    """CPU seconds used so far by the process's Python threads.
+
+    Threads the device runtime started on its own (PoCL's workers, a driver's
+    threads) are left out: on PoCL they *are* the device.
+    """
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.ident is None:
+            continue
+        with contextlib.suppress(OSError, OverflowError):
+            total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return total
+
+
+def rss_bytes() -> int | None:
+    """The process's resident set size now, from ``/proc/self/statm``; None elsewhere."""
+    try:
+        with open("/proc/self/statm") as statm:
+            resident_pages = int(statm.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def os_thread_count() -> int | None:
+    """Threads of the process as the OS counts them (Python's and the runtimes')."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Threads:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def hold_gil(seconds: float) -> None:
+    """Keep this thread running Python for ``seconds``, as a busy event loop does."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+def _stamp(probe: asyncio.Future[float]) -> None:
+    if not probe.done():
+        probe.set_result(time.perf_counter())
+
+
+async def loop_lag(until: float, interval: float = 0.001) -> list[float]:
+    """Delays of ``call_soon`` probes, one every ``interval`` seconds, until ``until``."""
+    loop = asyncio.get_running_loop()
+    lags: list[float] = []
+    while time.perf_counter() < until:
+        probe: asyncio.Future[float] = loop.create_future()
+        sent = time.perf_counter()
+        loop.call_soon(_stamp, probe)
+        lags.append(await probe - sent)
+        await asyncio.sleep(interval)
+    return lags
