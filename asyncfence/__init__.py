@@ -9,14 +9,13 @@ Thread-safety: :func:`record`, :func:`configure`, and a fence's ``done()``,
 happens on an event loop; several loops may await one fence at once.
 """
 
+from . import _backends as _backends  # registers the device backends
 from ._backend import BackendStatistics as BackendStatistics
 from ._backend import backend_statistics as backend_statistics
-from ._backend import register_backend as _register_backend
-from ._buffers import DeviceBuffer as DeviceBuffer
-from ._buffers import PinnedBuffer as PinnedBuffer
+from ._backends.cuda import DeviceBuffer as DeviceBuffer
+from ._backends.cuda import PinnedBuffer as PinnedBuffer
 from ._config import Config as Config
 from ._config import configure as configure
-from ._cuda import CudaBackend as _CudaBackend
 from ._drop_queue import DropQueue as DropQueue
 from ._drop_queue import DropQueueStatistics as DropQueueStatistics
 from ._exceptions import DeviceError as DeviceError
@@ -25,7 +24,6 @@ from ._exceptions import FenceError as FenceError
 from ._fence import Fence as Fence
 from ._fence import record as record
 from ._loops import current_statistics as current_statistics
-from ._opencl import OpenCLBackend as _OpenCLBackend
 from ._poller import PollerStatistics as PollerStatistics
 from ._staging import StagingPool as StagingPool
 from ._staging import StagingPoolStatistics as StagingPoolStatistics
@@ -55,9 +53,6 @@ __all__ = (
 )
 
 __version__ = "0.1.0"
-
-_register_backend(_OpenCLBackend())
-_register_backend(_CudaBackend())
 
 for _name in __all__:
     globals()[_name].__module__ = "asyncfence"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 
 _DESCRIPTION = "asyncfence's own tools: a demo, the benchmark, and a soak run."
@@ -26,9 +27,35 @@ def _bench_description() -> str:
     )
 
 
+def _positive_minutes(text: str) -> float:
+    """An argparse type: a finite number of minutes above zero."""
+    try:
+        minutes = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of minutes, got {text!r}") from None
+    if not math.isfinite(minutes) or minutes <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of minutes > 0, got {text}")
+    return minutes
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, zero or more."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text}")
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen command; returns the exit status."""
+    from . import __version__, _backends  # noqa: F401  (registers the device backends)
+    from ._backend import backend_names
+
     parser = argparse.ArgumentParser(prog="python -m asyncfence", description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"asyncfence {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "demo",
@@ -41,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         description=_bench_description(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--device", choices=("cuda", "opencl"), help="default: CUDA if present")
+    bench.add_argument(
+        "--device", choices=backend_names(), help="default: the first with a device (a GPU first)"
+    )
     bench.add_argument(
         "--quick", action="store_true", help="a smoke run: every scenario, tiny trial counts"
     )
@@ -54,14 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
     bench.add_argument("--quiet", action="store_true", help="no progress lines")
     bench.add_argument(
-        "--spin-budget", type=float, metavar="SECONDS", help="the spin budget to measure with"
+        "--spin-budget", type=_seconds, metavar="SECONDS", help="the spin budget to measure with"
     )
     soak = commands.add_parser(
         "soak",
         help="a long run that checks memory and loop lag stay flat",
         description="A long run that checks memory and loop lag stay flat.",
     )
-    soak.add_argument("--minutes", type=float, default=10.0, help="how long (default 10)")
+    soak.add_argument(
+        "--minutes", type=_positive_minutes, default=10.0, help="how long (default 10)"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "soak":

@@ -1,34 +1,63 @@
-"""The one internal interface between the fence logic and a device backend.
+"""The seam: the one internal interface between the fence logic and a device backend.
 
-Everything above this line (waiting, timeouts, the poller, the drop queue) is
-written once against :class:`Backend`; each device runtime implements it once.
-A backend knows nothing of event loops, and the loop code knows nothing of
-devices.
+Everything above it (fences, waiting, the poller, the drop queue) is written
+once against :class:`Backend`; each device runtime implements it once, in its
+own package under :mod:`asyncfence._backends`. A backend only talks to its
+runtime: record, query, stream-wait, release, and arrange for a native signal
+when a marker completes. It knows nothing of event loops, starts no thread
+and never calls back into Python; the loop code knows nothing of devices.
+Tests, the demo and the benchmark reach a backend's devices and test gates
+through :meth:`Backend.lab`. See ``docs/design.md`` for the layers.
+
+Adding a backend:
+
+1. Write a module (or a package under ``asyncfence/_backends/``) with a class
+   that implements :class:`Backend` over the runtime's own marker type, and a
+   :class:`Lab` (a device to make streams on and keep busy, and a gate that
+   holds a stream from the host), imported lazily by :meth:`Backend.lab` so
+   that ``import asyncfence`` never loads the runtime.
+2. Register an instance: one line in ``asyncfence/_backends/__init__.py``,
+   ``register_backend(MyBackend())``. :func:`backend_for`, the pytest
+   plugin's ``--fence-device`` choices, the command line's ``--device``
+   choices and :func:`asyncfence.testing.open_default_device` all read the
+   registry.
+3. Run the generic fence tests on it (``tests/test_fence.py`` is
+   parametrized over the registered backends; ``tests/fake_backend.py`` is a
+   whole backend in one file, registered only by the tests).
+
+Requirement on :meth:`Backend.claims`: it depends on the stream's type only,
+so that :func:`backend_for` can remember the answer per type.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
+    from collections.abc import Callable, Hashable
+
+    from ._devices import Device
 
 __all__ = [
     "Backend",
     "BackendStatistics",
-    "Marker",
+    "GateParts",
+    "Lab",
     "NativeSignal",
     "QueueInfo",
     "backend_for",
+    "backend_named",
+    "backend_names",
     "backend_statistics",
     "register_backend",
     "signal_path",
+    "unregister_backend",
 ]
 
-#: A backend's own completion marker: a ``pyopencl.Event``, a pooled CUDA event.
-#: Opaque above this module.
-Marker = object
+#: A backend's own completion marker (a ``pyopencl.Event``, a pooled CUDA
+#: event): opaque above the seam.
+MarkerT = TypeVar("MarkerT")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +123,39 @@ class NativeSignal:
     argument: int
 
 
-class Backend(Protocol):
+@dataclass(frozen=True, slots=True)
+class GateParts:
+    """How a backend holds one stream from the host (see :func:`asyncfence.testing.hold`).
+
+    Attributes:
+        release: Lets the stream run on.
+        fail: Fails the gate with a negative code, where the runtime can
+            (OpenCL); ``None`` where it cannot (CUDA).
+        keep: What must stay alive while the gate exists.
+    """
+
+    release: Callable[[], None]
+    fail: Callable[[int], None] | None
+    keep: object
+
+
+class Lab(Protocol):
+    """What tests, the demo and the benchmark need of a backend, beyond fences."""
+
+    def open_device(self) -> Device:
+        """The backend's first device.
+
+        Raises:
+            RuntimeError: No device (the message says what to install).
+        """
+        ...
+
+    def gate(self, stream: Any) -> GateParts:
+        """Hold ``stream`` at its current end until the gate is released."""
+        ...
+
+
+class Backend(Protocol[MarkerT]):
     """A device runtime, as the fence logic sees it.
 
     Thread-safety: every method may be called from any thread, concurrently.
@@ -108,9 +169,11 @@ class Backend(Protocol):
     title: str
     #: Describes the stream objects the backend accepts, for error messages.
     accepts: str
+    #: Where :func:`asyncfence.testing.open_default_device` looks first: lower first.
+    default_rank: int
 
     def claims(self, stream: object) -> bool:
-        """Whether ``stream`` is one of this backend's stream objects."""
+        """Whether ``stream`` is one of this backend's stream objects (by its type only)."""
         ...
 
     def stream_key(self, stream: object) -> Hashable:
@@ -125,11 +188,11 @@ class Backend(Protocol):
         """
         ...
 
-    def record(self, stream: object) -> tuple[Marker, QueueInfo]:
+    def record(self, stream: object) -> tuple[MarkerT, QueueInfo]:
         """Mark the current end of the work queued on ``stream``."""
         ...
 
-    def query(self, marker: Marker) -> bool:
+    def query(self, marker: MarkerT) -> bool:
         """Whether the device has passed ``marker``. Never blocks.
 
         Raises:
@@ -150,14 +213,14 @@ class Backend(Protocol):
         """
         ...
 
-    def stream_wait(self, marker: Marker, origin: QueueInfo, stream: object) -> None:
+    def stream_wait(self, marker: MarkerT, origin: QueueInfo, stream: object) -> None:
         """Make ``stream`` wait on the device for ``marker``; never blocks the host.
 
         ``stream`` has passed :meth:`check_stream`.
         """
         ...
 
-    def arm(self, marker: Marker, queue: QueueInfo, signal: NativeSignal) -> bool:
+    def arm(self, marker: MarkerT, queue: QueueInfo, signal: NativeSignal) -> bool:
         """Have the runtime call ``signal`` once the device passes ``marker``.
 
         Never blocks and never calls back into Python. If the marker has
@@ -186,22 +249,56 @@ class Backend(Protocol):
         """Return a snapshot of what the backend holds. Thread-safe."""
         ...
 
-    def release(self, marker: Marker) -> None:
+    def release(self, marker: MarkerT) -> None:
         """Give ``marker`` back; it may still be pending.
 
         The caller never uses ``marker`` again.
         """
         ...
 
+    def lab(self) -> Lab:
+        """Its devices and test gates, loaded on first use."""
+        ...
 
-_backends: list[Backend] = []
-_by_type: dict[type, Backend] = {}
+
+_backends: list[Backend[Any]] = []
+_by_type: dict[type, Backend[Any]] = {}
 
 
-def register_backend(backend: Backend) -> None:
-    """Add a backend that :func:`backend_for` will consult, in order."""
+def register_backend(backend: Backend[Any]) -> None:
+    """Add a backend that :func:`backend_for` will consult, in order.
+
+    Raises:
+        ValueError: A backend of that name is registered already.
+    """
+    if any(known.name == backend.name for known in _backends):
+        raise ValueError(f"a backend named {backend.name!r} is registered already")
     _backends.append(backend)
     _by_type.clear()
+
+
+def unregister_backend(name: str) -> None:
+    """Remove the backend ``name`` (tests register and remove their own)."""
+    _backends[:] = [backend for backend in _backends if backend.name != name]
+    _by_type.clear()
+
+
+def backend_names() -> tuple[str, ...]:
+    """The names of the registered backends, in default-device order."""
+    return tuple(backend.name for backend in sorted(_backends, key=lambda b: b.default_rank))
+
+
+def backend_named(name: str) -> Backend[Any]:
+    """The registered backend ``name``.
+
+    Raises:
+        ValueError: No backend of that name; the message lists them.
+    """
+    for backend in _backends:
+        if backend.name == name:
+            return backend
+    known = ", ".join(map(repr, backend_names()))
+    raise ValueError(f"backend must be one of {known}; got {name!r}")
 
 
 def backend_statistics() -> tuple[BackendStatistics, ...]:
@@ -220,7 +317,7 @@ def signal_path(name: str) -> str | None:
     return None
 
 
-def backend_for(stream: object) -> Backend:
+def backend_for(stream: object) -> Backend[Any]:
     """Find the backend that owns ``stream``.
 
     Raises:
@@ -233,8 +330,7 @@ def backend_for(stream: object) -> Backend:
         return backend
     for backend in _backends:
         if backend.claims(stream):
-            # Cache by type only where every instance is claimed alike.
-            _by_type[kind] = backend
+            _by_type[kind] = backend  # claims depends on the type only (see above)
             return backend
     accepted = "; or ".join(b.accepts for b in _backends)
     raise TypeError(f"expected a device stream ({accepted}); got {kind.__qualname__} object")

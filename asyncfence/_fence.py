@@ -9,7 +9,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, NoReturn, final
 
-from ._backend import Backend, Marker, QueueInfo, backend_for
+from ._backend import Backend, QueueInfo, backend_for
 from ._config import Strategy, check_strategy, check_timeout, current_config
 from ._exceptions import DeviceError, FenceError
 
@@ -102,8 +102,8 @@ class Fence:
         "_state",
     )
 
-    _backend: Backend
-    _marker: Marker | None
+    _backend: Backend[Any]
+    _marker: Any
     _pins: int
     _queue: QueueInfo
     _seq: int
@@ -115,7 +115,7 @@ class Fence:
         raise TypeError("fences are made by asyncfence.record(stream)")
 
     @classmethod
-    def _new(cls, backend: Backend, marker: Marker, queue: QueueInfo, seq: int) -> Self:
+    def _new(cls, backend: Backend[Any], marker: Any, queue: QueueInfo, seq: int) -> Self:
         fence = object.__new__(cls)
         fence._backend = backend
         fence._marker = marker
@@ -177,7 +177,7 @@ class Fence:
         assert marker is not None
         self._backend.release(marker)
 
-    def _pin(self) -> Marker | None:
+    def _pin(self) -> Any:
         """The marker, kept from release until :meth:`_unpin`; ``None`` if settled."""
         with _settle_lock:
             marker = self._marker

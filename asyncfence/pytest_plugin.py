@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from . import _backends  # noqa: F401  (registers the device backends)
+from ._backend import backend_named, backend_names
 from ._devices import Device, open_default_device
-from ._exceptions import FenceError
 from ._testing import StreamGate, hold
 
 if TYPE_CHECKING:
@@ -35,18 +36,22 @@ if TYPE_CHECKING:
 
 __all__ = ("fence_device", "fence_stream", "held_stream")
 
-_CHOICES = ("auto", "cuda", "opencl")
 _gpu_found: bool | None = None
+
+
+def _choices() -> tuple[str, ...]:
+    return ("auto", *backend_names())
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     """Add ``--fence-device`` and the ``fence_device`` ini option."""
     group = parser.getgroup("asyncfence")
+    names = backend_names()
     group.addoption(
         "--fence-device",
-        choices=_CHOICES,
+        choices=_choices(),
         default=None,
-        help="device for the fence_device fixture: auto (a GPU if present), cuda or opencl",
+        help=f"device for the fence_device fixture: auto (a GPU if present), {', '.join(names)}",
     )
     parser.addini("fence_device", "device for the fence_device fixture", default="auto")
 
@@ -60,11 +65,9 @@ def gpu_present() -> bool:
     """Whether an NVIDIA driver and at least one CUDA device are usable (cached)."""
     global _gpu_found
     if _gpu_found is None:
-        from ._devices import CudaDevice
-
         try:
-            CudaDevice(0)
-        except (FenceError, RuntimeError, ImportError):
+            backend_named("cuda").lab().open_device()
+        except (RuntimeError, ImportError):
             _gpu_found = False
         else:
             _gpu_found = True
@@ -84,9 +87,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def fence_device(pytestconfig: pytest.Config) -> Device:
     """The device to test on: a GPU if present, otherwise PoCL (see the module doc)."""
     choice = pytestconfig.getoption("fence_device") or pytestconfig.getini("fence_device")
-    if choice not in _CHOICES:
+    if choice not in _choices():
         raise pytest.UsageError(
-            f"fence_device must be one of {', '.join(_CHOICES)}; got {choice!r}"
+            f"fence_device must be one of {', '.join(_choices())}; got {choice!r}"
         )
     try:
         return open_default_device(None if choice == "auto" else choice)

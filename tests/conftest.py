@@ -9,8 +9,7 @@ import anyio
 import pytest
 
 import asyncfence
-from asyncfence._devices import CudaDevice
-from asyncfence.testing import OpenCLDevice, open_default_device
+from asyncfence.testing import CudaDevice, OpenCLDevice, open_default_device
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -25,7 +25,8 @@ import pytest
 import asyncfence
 from asyncfence import DeviceBuffer, DeviceError, DropQueue, FenceError, PinnedBuffer, StagingPool
 from asyncfence._backend import backend_for
-from asyncfence._cuda import CudaBackend, current_context
+from asyncfence._backends.cuda import CudaBackend
+from asyncfence._backends.cuda._driver import current_context
 from asyncfence.testing import hold
 
 from .conftest import let_loop_run, until
@@ -33,7 +34,7 @@ from .conftest import let_loop_run, until
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from asyncfence._devices import CudaDevice
+    from asyncfence.testing import CudaDevice
 
     from .cuda_emulator import Emulator
 
@@ -239,7 +240,7 @@ def test_events_are_created_without_timing(cuda_stream: Any, emulator: Emulator)
     from cuda.bindings import driver
 
     fence = asyncfence.record(cuda_stream)
-    event = fence._marker.event  # type: ignore[attr-defined]
+    event = fence._marker.event
     assert emulator.event_flags(int(event)) == driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
     fence.wait_sync(timeout=30)
 
@@ -272,7 +273,7 @@ async def test_enqueue_wait_holds_another_stream(cuda_device: CudaDevice) -> Non
 
 
 async def test_enqueue_wait_across_devices(cuda_device: CudaDevice, emulator: Emulator) -> None:
-    from asyncfence._devices import CudaDevice
+    from asyncfence.testing import CudaDevice
 
     first = cuda_device.new_stream()
     second = CudaDevice(1).new_stream()
@@ -294,7 +295,7 @@ async def test_a_sticky_fault_reaches_every_waiter_of_its_context(
 ) -> None:
     from cuda.bindings import driver
 
-    from asyncfence._devices import CudaDevice
+    from asyncfence.testing import CudaDevice
 
     streams = [cuda_device.new_stream() for _ in range(3)]
     other_device = CudaDevice(1)
@@ -751,7 +752,7 @@ def in_fresh_thread(function: Callable[[], T]) -> T:
 
 
 def primary_context(ordinal: int) -> int:
-    from asyncfence._devices import CudaDevice
+    from asyncfence.testing import CudaDevice
 
     return int(CudaDevice(ordinal).context)
 
@@ -763,7 +764,7 @@ def test_a_default_stream_that_names_its_device_records_from_any_thread(
 ) -> None:
     from cuda.bindings import driver
 
-    from asyncfence._devices import CudaDevice
+    from asyncfence.testing import CudaDevice
 
     device = CudaDevice(ordinal)
     device.make_current()
@@ -778,7 +779,7 @@ def test_a_default_stream_that_names_its_device_records_from_any_thread(
 
             fence, before, after = in_fresh_thread(record)
             assert before == after == 0  # pushed for the record, popped after
-            assert fence._marker.context == primary_context(ordinal)  # type: ignore[attr-defined]
+            assert fence._marker.context == primary_context(ordinal)
             assert not fence.done()  # on that device's default stream, behind the gate
             gate.release()
             fence.wait_sync(timeout=30)
@@ -790,7 +791,7 @@ def test_a_default_stream_of_another_device_than_the_current_one(
     cuda_device: CudaDevice, emulator: Emulator
 ) -> None:
     fence = asyncfence.record(FakeTorchStream(0, 1))  # device 0 is current here
-    assert fence._marker.context == primary_context(1)  # type: ignore[attr-defined]
+    assert fence._marker.context == primary_context(1)
     fence.wait_sync(timeout=30)
     target = asyncfence.record(FakeCupyStream(2, 1))
     fence.enqueue_wait(FakeTorchStream(0, 1))
@@ -866,7 +867,7 @@ def test_handle_0_in_per_thread_mode(cuda_mode: str, strategy: str, per_thread: 
         f"""
         import asyncio, json, threading
         import asyncfence
-        from asyncfence._devices import CudaDevice
+        from asyncfence.testing import CudaDevice
         from asyncfence.testing import hold
 
         asyncfence.configure(strategy={strategy!r})
@@ -1034,13 +1035,14 @@ def test_a_child_forked_during_driver_initialisation_gets_a_fence_error(
 
     code = """
 import os, threading
-from asyncfence import _cuda, FenceError
+from asyncfence import FenceError
+from asyncfence._backends.cuda import _driver as _cuda
 real = _cuda._initialise
 inside, go = threading.Event(), threading.Event()
-def slow():
+def slow(*args):
     inside.set()
     go.wait(30)
-    return real()
+    return real(*args)
 _cuda._initialise = slow
 first = threading.Thread(target=_cuda.driver)
 first.start()
@@ -1070,7 +1072,7 @@ raise SystemExit(os.waitstatus_to_exitcode(status))
 
 @pytest.mark.parametrize("raw", ["c_void_p", "int-like"])
 def test_a_numba_stream_handle_in_either_form(raw: str) -> None:
-    from asyncfence._cuda import cuda_stream_handle
+    from asyncfence._backends.cuda._driver import cuda_stream_handle
 
     class CUstreamLike:
         def __int__(self) -> int:

@@ -25,7 +25,7 @@ if sys.version_info < (3, 11):
 if TYPE_CHECKING:
     import pyopencl as cl
 
-    from asyncfence._devices import CudaDevice, OpenCLDevice
+    from asyncfence.testing import CudaDevice, OpenCLDevice
 
     from .cuda_emulator import Emulator
 

@@ -23,7 +23,7 @@ from .conftest import let_loop_run, until
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from asyncfence._devices import CudaDevice
+    from asyncfence.testing import CudaDevice
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from .conftest import let_loop_run, until
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from asyncfence._devices import CudaDevice, OpenCLDevice
+    from asyncfence.testing import CudaDevice, OpenCLDevice
 
     from .cuda_emulator import Emulator
 

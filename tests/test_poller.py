@@ -23,7 +23,7 @@ from .conftest import until
 if TYPE_CHECKING:
     import pyopencl as cl
 
-    from asyncfence._devices import OpenCLDevice
+    from asyncfence.testing import OpenCLDevice
 
 
 class _ThreadThatCannotStart(threading.Thread):

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import asyncfence
-from asyncfence import _fence, _loops, _opencl, _watcher
+from asyncfence import _fence, _loops, _watcher
+from asyncfence._backends import opencl as _opencl
 from asyncfence._backend import backend_for
 from asyncfence.testing import StreamGate
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
     import pyopencl as cl
 
-    from asyncfence._devices import CudaDevice
+    from asyncfence.testing import CudaDevice
 
 HANG_GUARD_S = 30  # a hang guard, never a timing assertion
 
@@ -113,7 +114,7 @@ def test_wait_sync_follows_the_fence_not_its_recycled_event(
         with asyncfence.testing.hold(cuda_stream) as first_gate:
             fence = asyncfence.record(cuda_stream)
             assert fence._marker is not None
-            event = int(fence._marker.event)  # type: ignore[attr-defined]
+            event = int(fence._marker.event)
             paused, go = threading.Event(), threading.Event()
             returned: list[bool] = []
 
@@ -133,7 +134,7 @@ def test_wait_sync_follows_the_fence_not_its_recycled_event(
         with asyncfence.testing.hold(other_stream):
             reused = asyncfence.record(other_stream)  # the same event, held
             assert reused._marker is not None
-            assert int(reused._marker.event) == event  # type: ignore[attr-defined]
+            assert int(reused._marker.event) == event
             go.set()
             thread.join(HANG_GUARD_S)
             assert returned == [True]

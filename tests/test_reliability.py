@@ -25,7 +25,7 @@ from .conftest import until
 if TYPE_CHECKING:
     import pyopencl as cl
 
-    from asyncfence._devices import CudaDevice
+    from asyncfence.testing import CudaDevice
 
     from .cuda_emulator import Emulator
 

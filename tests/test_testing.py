@@ -39,13 +39,13 @@ def test_a_child_forked_while_locks_are_held_gets_fresh_ones() -> None:
     # In a fresh process: forking this multi-threaded one is not what the test is about.
     code = """
 import os, threading
-from asyncfence import _testing
+from asyncfence._backends.cuda import _lab as cuda_lab
 from asyncfence._backend import backend_for
 from asyncfence.testing import StreamGate, open_default_device
 queue = open_default_device("opencl").new_stream()
 gate = StreamGate(queue)
 backend = backend_for(queue)
-locks = lambda: (gate._lock, _testing._flag_lock, backend._sweep_lock)
+locks = lambda: (gate._lock, cuda_lab._flag_lock, backend._sweep_lock)
 held, done = threading.Event(), threading.Event()
 def hold_them():
     for lock in locks():

@@ -32,7 +32,7 @@ from .conftest import until
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from asyncfence._devices import CudaDevice, OpenCLDevice
+    from asyncfence.testing import CudaDevice, OpenCLDevice
 
     from .cuda_emulator import Emulator
 

@@ -19,7 +19,7 @@ from asyncfence.testing import open_default_device
 from . import drop, latency, load, signal_hold
 from .base import BenchConfig, Results
 from .report import build_report, describe, plot, render, require_matplotlib, write_json
-from .targets import Context, CudaTarget, contenders, make_target, probe_contenders
+from .targets import Context, contenders, make_target, probe_contenders
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -207,7 +207,7 @@ async def _run(
             target, contenders(target), config.probe_timeout_s, quiet=quiet
         )
         meta["contenders"] = [c.name for c in context.entrants]
-        plan = [s for s in plan if isinstance(target, CudaTarget) or not s.cuda_only]
+        plan = [s for s in plan if target.device.backend == "cuda" or not s.cuda_only]
         meta["scenarios"] = [s.key for s in plan]
         if json_path:
             write_json(json_path, build_report(results))

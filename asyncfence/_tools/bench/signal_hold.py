@@ -11,7 +11,7 @@ elapsed time is how long the signal held the stream.
 
 It uses the package-internal pieces documented for it:
 :class:`asyncfence._poller.NativeMailbox`, :func:`asyncfence._native.shim` and
-:meth:`asyncfence._cuda.CudaBackend.host_functions`.
+:meth:`asyncfence._backends.cuda.CudaBackend.host_functions`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from asyncfence.testing import hold
 
 from ..measure import hold_gil
-from .targets import CudaTarget
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -65,15 +64,15 @@ class _SemPost:
 
 async def signal_hold(ctx: Context) -> None:
     """Time each signal between two timing events; see the module's docstring."""
-    from asyncfence._backend import backend_for
-    from asyncfence._cuda import CudaBackend
+    from asyncfence._backend import backend_named
+    from asyncfence._backends.cuda import CudaBackend
+    from asyncfence._backends.cuda._driver import check, driver
     from asyncfence._native import shim
     from asyncfence._poller import NativeMailbox
 
     target = ctx.target
-    assert isinstance(target, CudaTarget)
-    drv, check = target.drv, target.check
-    backend = backend_for(0)
+    drv = driver()
+    backend = backend_named("cuda")
     assert isinstance(backend, CudaBackend)
     launcher = backend.host_functions()
     native = shim()

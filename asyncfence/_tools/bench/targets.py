@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 __all__ = [
     "Contender",
     "Context",
-    "CudaTarget",
-    "OpenCLTarget",
     "Target",
     "contenders",
     "make_target",
@@ -48,7 +46,11 @@ __all__ = [
 
 
 class Target:
-    """Raw events on one device, for the baselines, plus streams and work."""
+    """A device's streams and raw events (OpenCL markers, CUDA events), for the baselines.
+
+    The raw events are the device's own (:meth:`asyncfence.testing.Device.raw_record`
+    and the rest): each backend's lab provides them.
+    """
 
     def __init__(self, device: Device) -> None:
         self.device = device
@@ -62,113 +64,35 @@ class Target:
 
     def raw_record(self, stream: Any) -> Any:
         """Record a raw event at the current end of ``stream``."""
-        raise NotImplementedError
+        return self.device.raw_record(stream)
 
     def raw_query(self, event: Any) -> bool:
         """Whether ``event`` is complete; raises if it failed."""
-        raise NotImplementedError
+        return self.device.raw_query(event)
 
     def raw_block(self, event: Any) -> None:
         """Block the calling thread until ``event`` completes (GIL released)."""
-        raise NotImplementedError
+        self.device.raw_block(event)
 
     def raw_done(self, event: Any) -> None:
         """The baseline finished with ``event``."""
+        self.device.raw_done(event)
 
     def short_work(self, stream: Any) -> None:
         """Queue one piece of short work (a 1 MiB copy or memset)."""
         self.device.launch_chunks(stream, 1)
 
     def close(self) -> None:
-        """Release the streams this target made."""
+        """Release the streams this target made, and the raw events."""
         for stream in self._streams:
             self.device.close_stream(stream)
         self._streams.clear()
-
-
-class OpenCLTarget(Target):
-    """Markers, their status, and ``Event.wait()``."""
-
-    def raw_record(self, stream: Any) -> Any:
-        """Enqueue a marker and flush."""
-        import pyopencl as cl
-
-        marker = cl.enqueue_marker(stream)
-        stream.flush()
-        return marker
-
-    def raw_query(self, event: Any) -> bool:
-        """The marker's ``command_execution_status`` is complete."""
-        status: int = event.command_execution_status
-        if status < 0:
-            raise RuntimeError(f"OpenCL event failed with status {status}")
-        return status == 0
-
-    def raw_block(self, event: Any) -> None:
-        """``Event.wait()``."""
-        event.wait()
-
-
-class CudaTarget(Target):
-    """Pooled timing-disabled events, ``cuEventQuery`` and ``cuEventSynchronize``.
-
-    Attributes:
-        drv: ``cuda.bindings.driver``, initialised.
-    """
-
-    def __init__(self, device: Device) -> None:
-        super().__init__(device)
-        from asyncfence._cuda import check, driver
-
-        self.drv = driver()
-        self._check = check
-        self._pool: list[Any] = []
-
-    def check(self, result: tuple[Any, ...], what: str) -> Any:
-        """The value of a cuda.bindings call's result; raises on an error code."""
-        return self._check(result, what)
-
-    def raw_record(self, stream: Any) -> Any:
-        """``cuEventRecord`` of a pooled event."""
-        drv = self.drv
-        if self._pool:
-            event = self._pool.pop()
-        else:
-            flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
-            event = self.check(drv.cuEventCreate(flags), "cuEventCreate")
-        self.check(drv.cuEventRecord(event, stream), "cuEventRecord")
-        return event
-
-    def raw_query(self, event: Any) -> bool:
-        """``cuEventQuery``."""
-        (err,) = self.drv.cuEventQuery(event)
-        if err == self.drv.CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        if err != self.drv.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuEventQuery failed: {err}")
-        return True
-
-    def raw_block(self, event: Any) -> None:
-        """``cuEventSynchronize``."""
-        self.drv.cuEventSynchronize(event)
-
-    def raw_done(self, event: Any) -> None:
-        """Back to the pool."""
-        self._pool.append(event)
-
-    def close(self) -> None:
-        """Destroy the streams and the pooled events."""
-        super().close()
-        for event in self._pool:
-            self.drv.cuEventDestroy(event)
-        self._pool.clear()
+        self.device.close()
 
 
 def make_target(device: Device) -> Target:
-    """The target for ``device``'s backend."""
-    if device.backend == "cuda":
-        return CudaTarget(device)
-    return OpenCLTarget(device)
+    """The target for ``device``."""
+    return Target(device)
 
 
 @dataclass(frozen=True)
@@ -232,7 +156,7 @@ def contenders(target: Target) -> list[Contender]:
 
 
 def _numba_contender(target: Target) -> Contender | None:
-    if not isinstance(target, CudaTarget):
+    if target.device.backend != "cuda":
         return None
     try:
         from numba import cuda as numba_cuda

@@ -7,7 +7,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING, final
 
-from ._validation import check_int
+from ..._validation import check_int
+from ._driver import check, current_context, driver, pop_context, push_context
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -58,8 +59,6 @@ class _CudaAllocation:
             DeviceError: Its context could not be made current (it was
                 destroyed, say), or the driver refused the free.
         """
-        from ._cuda import driver, pop_context, push_context
-
         with self._lock:
             address, self._address = self._address, 0
         if not address:
@@ -102,8 +101,6 @@ class PinnedBuffer(_CudaAllocation):
     """
 
     def __init__(self, nbytes: int) -> None:
-        from ._cuda import check, current_context, driver
-
         size = _check_nbytes(nbytes)
         drv = driver("pinned host memory (PinnedBuffer)")
         flags = drv.CU_MEMHOSTALLOC_PORTABLE | drv.CU_MEMHOSTALLOC_DEVICEMAP
@@ -111,8 +108,6 @@ class PinnedBuffer(_CudaAllocation):
         super().__init__(address, size, current_context(drv))
 
     def _release(self, drv: ModuleType, address: int) -> None:
-        from ._cuda import check
-
         check(drv.cuMemFreeHost(address), "cuMemFreeHost")
 
     def view(self) -> memoryview:
@@ -139,14 +134,10 @@ class DeviceBuffer(_CudaAllocation):
     """
 
     def __init__(self, nbytes: int) -> None:
-        from ._cuda import check, current_context, driver
-
         size = _check_nbytes(nbytes)
         drv = driver("device memory (DeviceBuffer)")
         address = int(check(drv.cuMemAlloc(size), "cuMemAlloc"))
         super().__init__(address, size, current_context(drv))
 
     def _release(self, drv: ModuleType, address: int) -> None:
-        from ._cuda import check
-
         check(drv.cuMemFree(address), "cuMemFree")

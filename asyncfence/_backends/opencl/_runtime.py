@@ -1,4 +1,4 @@
-"""The OpenCL backend: a fence is a marker on a ``pyopencl.CommandQueue``.
+"""The OpenCL backend's runtime side: markers, their status, barriers, event callbacks.
 
 pyopencl is imported only when a caller hands us one of its queues, so
 asyncfence never needs OpenCL installed to import or to use CUDA.
@@ -15,13 +15,15 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._backend import BackendStatistics, Marker, NativeSignal, QueueInfo
-from ._exceptions import DeviceError
+from ..._backend import Backend, BackendStatistics, NativeSignal, QueueInfo
+from ..._exceptions import DeviceError
 
 if TYPE_CHECKING:
     from collections.abc import Hashable
 
     import pyopencl as cl
+
+    from ._lab import OpenCLLab
 
 __all__ = ["OpenCLBackend"]
 
@@ -53,7 +55,7 @@ def _status_name(code: int) -> str:
     return f"CL_{name}"
 
 
-class OpenCLBackend:
+class OpenCLBackend(Backend["cl.Event"]):
     """Fences as ``clEnqueueMarkerWithWaitList`` markers.
 
     A marker enqueued with no wait list completes once every command enqueued
@@ -62,6 +64,7 @@ class OpenCLBackend:
 
     name = "opencl"
     title = "OpenCL"
+    default_rank = 1  # after a GPU's
     accepts = "a pyopencl.CommandQueue"
 
     def __init__(self) -> None:
@@ -92,7 +95,7 @@ class OpenCLBackend:
         out_of_order = queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE
         return QueueInfo(queue.int_ptr, in_order=not out_of_order, domain=queue.context.int_ptr)
 
-    def record(self, stream: object) -> tuple[Marker, QueueInfo]:
+    def record(self, stream: object) -> tuple[cl.Event, QueueInfo]:
         import pyopencl as cl
 
         assert isinstance(stream, cl.CommandQueue)
@@ -104,8 +107,8 @@ class OpenCLBackend:
             self._sweep()
         return marker, self._queue_info(stream)
 
-    def query(self, marker: Marker) -> bool:
-        status: int = marker.command_execution_status  # type: ignore[attr-defined]
+    def query(self, marker: cl.Event) -> bool:
+        status: int = marker.command_execution_status
         if status < 0:
             raise DeviceError(
                 self.name,
@@ -129,11 +132,11 @@ class OpenCLBackend:
                 "context; this queue belongs to another context"
             )
 
-    def stream_wait(self, marker: Marker, origin: QueueInfo, stream: object) -> None:
+    def stream_wait(self, marker: cl.Event, origin: QueueInfo, stream: object) -> None:
         import pyopencl as cl
 
         assert isinstance(stream, cl.CommandQueue)
-        barrier = cl.enqueue_barrier(stream, wait_for=[marker])  # type: ignore[list-item]
+        barrier = cl.enqueue_barrier(stream, wait_for=[marker])
         stream.flush()
         # Held until it settles, as markers are (PoCL 3.0 aborts the process
         # if the marker fails once the barrier is released).
@@ -141,7 +144,7 @@ class OpenCLBackend:
         # The caller found the fence not failed just before. Failed since: the
         # barrier may have been enqueued behind an event that had already
         # failed, and PoCL never fails (nor runs) such a command.
-        status = marker.command_execution_status  # type: ignore[attr-defined]
+        status = marker.command_execution_status
         if status < 0:
             raise DeviceError(
                 self.name,
@@ -151,11 +154,11 @@ class OpenCLBackend:
                 "waiting queue may never run its later work",
             )
 
-    def arm(self, marker: Marker, queue: QueueInfo, signal: NativeSignal) -> bool:
+    def arm(self, marker: cl.Event, queue: QueueInfo, signal: NativeSignal) -> bool:
         if not signal.event_callback:
             return False
         code = _set_event_callback()(
-            marker.int_ptr,  # type: ignore[attr-defined]
+            marker.int_ptr,
             _CL_COMPLETE,
             signal.event_callback,
             signal.argument,
@@ -167,15 +170,20 @@ class OpenCLBackend:
     def signal_path(self) -> str | None:
         return "clSetEventCallback"
 
-    def release(self, marker: Marker) -> None:
+    def lab(self) -> OpenCLLab:
+        from ._lab import OpenCLLab
+
+        return OpenCLLab()
+
+    def release(self, marker: cl.Event) -> None:
         # Atomic deque operations only: this may run in a finalizer.
-        status = marker.command_execution_status  # type: ignore[attr-defined]
+        status = marker.command_execution_status
         if status > 0:
-            self._graveyard.append(marker)  # type: ignore[arg-type]
+            self._graveyard.append(marker)
         elif status < 0:
             # PoCL 3.0 may still be propagating the failure through the event
             # on another thread; releasing it now can crash the process.
-            self._failed.append(marker)  # type: ignore[arg-type]
+            self._failed.append(marker)
 
     def _sweep(self) -> None:
         if not self._sweep_lock.acquire(blocking=False):

@@ -1,0 +1,116 @@
+"""OpenCL for tests, the demo and the benchmark: a device, raw markers, a test gate."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..._backend import GateParts
+from ..._devices import CHUNK_BYTES, Device
+
+if TYPE_CHECKING:
+    import pyopencl as cl
+
+__all__ = ["OpenCLDevice", "OpenCLLab"]
+
+
+class OpenCLDevice(Device):
+    """An OpenCL device with one context: the default device when no GPU is present."""
+
+    backend = "opencl"
+
+    def __init__(self, context: cl.Context) -> None:
+        super().__init__()
+        self.context = context
+        device = context.devices[0]
+        self.name = f"{device.name.strip()} ({device.platform.name.strip()})"
+        self._buffers: tuple[cl.Buffer, cl.Buffer] | None = None
+
+    def new_stream(self, *, in_order: bool = True) -> cl.CommandQueue:
+        """Create a command queue, in order unless asked otherwise."""
+        import pyopencl as cl
+
+        if in_order:
+            return cl.CommandQueue(self.context)
+        props = cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE
+        return cl.CommandQueue(self.context, properties=props)
+
+    def close_stream(self, stream: cl.CommandQueue) -> None:
+        """Wait for the work queued on ``stream``; pyopencl releases it with the object."""
+        stream.finish()
+
+    def launch_chunks(self, stream: cl.CommandQueue, chunks: int) -> None:
+        """Queue ``chunks`` device-side copies of 1 MiB."""
+        import pyopencl as cl
+
+        if self._buffers is None:
+            flags = cl.mem_flags.READ_WRITE
+            self._buffers = (
+                cl.Buffer(self.context, flags, size=CHUNK_BYTES),
+                cl.Buffer(self.context, flags, size=CHUNK_BYTES),
+            )
+        source, target = self._buffers
+        for _ in range(max(1, chunks)):
+            cl.enqueue_copy(stream, target, source)  # device to device: no host event to keep
+        stream.flush()
+
+    def raw_record(self, stream: cl.CommandQueue) -> cl.Event:
+        """Enqueue a marker and flush."""
+        import pyopencl as cl
+
+        marker = cl.enqueue_marker(stream)
+        stream.flush()
+        return marker
+
+    def raw_query(self, event: cl.Event) -> bool:
+        """Whether the marker's ``command_execution_status`` is complete."""
+        status: int = event.command_execution_status
+        if status < 0:
+            raise RuntimeError(f"OpenCL event failed with status {status}")
+        return status == 0
+
+    def raw_block(self, event: cl.Event) -> None:
+        """``Event.wait()``, which releases the GIL."""
+        event.wait()
+
+
+class OpenCLLab:
+    """The OpenCL backend's devices and test gates."""
+
+    def open_device(self) -> OpenCLDevice:
+        """The first OpenCL device, preferring a GPU (PoCL's CPU device otherwise).
+
+        Raises:
+            RuntimeError: pyopencl or an OpenCL platform is missing.
+        """
+        try:
+            import pyopencl as cl
+        except ImportError:
+            raise RuntimeError(
+                "no device: install the opencl extra (pip install 'asyncfence[opencl]') "
+                "for PoCL, an OpenCL runtime that runs on the CPU"
+            ) from None
+        try:
+            platforms = cl.get_platforms()
+        except cl.Error:
+            platforms = []
+        devices = [device for platform in platforms for device in platform.get_devices()]
+        if not devices:
+            raise RuntimeError(
+                "no OpenCL device found: pip install pocl-binary-distribution for one on the CPU"
+            )
+        gpus = [device for device in devices if device.type & cl.device_type.GPU]
+        return OpenCLDevice(cl.Context([(gpus or devices)[0]]))
+
+    def gate(self, stream: Any) -> GateParts:
+        """A user event that a marker at the queue's end waits for."""
+        import pyopencl as cl
+
+        event = cl.UserEvent(stream.context)
+        # Keep the marker referenced until it settles: PoCL 3.0 aborts otherwise.
+        marker = cl.enqueue_marker(stream, wait_for=[event])
+        stream.flush()
+        return GateParts(
+            release=lambda: event.set_status(cl.command_execution_status.COMPLETE),
+            fail=event.set_status,
+            keep=(event, marker),
+        )
