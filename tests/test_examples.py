@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +37,82 @@ def test_example_runs(script: str, expected: str) -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert expected in result.stdout
+
+
+# -- pinned_staging.py: its staging pool really has buffers in flight ---------------------
+#
+# pyopencl's event for a copy between host and device, garbage-collected, waits for
+# the copy with the GIL held: an example that drops it uploads synchronously, so its
+# pool never has a buffer out, and on a held queue it stops the whole process for
+# good. So the held-queue check runs in a child interpreter.
+
+CHILD_TIMEOUT_S = 45
+
+
+async def _staging_on_a_held_queue() -> dict[str, Any]:
+    from asyncfence.testing import hold, open_default_device
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import pinned_staging
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    uploads = pinned_staging.OpenCLUploads(open_default_device("opencl"))
+    pipeline = pinned_staging.Pipeline(uploads)
+    report: dict[str, Any] = {}
+    with hold(uploads.stream) as gate:
+        running = asyncio.ensure_future(pipeline.run())
+        # Nothing completes while the queue is held: every staging buffer goes out
+        # with its copy queued, and the producer must wait for one to come back.
+        for _ in range(100_000):
+            if pipeline.producer_waited or running.done():
+                break
+            await asyncio.sleep(0)
+        report["waited_while_held"] = pipeline.producer_waited
+        report["available_while_held"] = pipeline.pool.available
+        report["verified_while_held"] = pipeline.verified
+        report["held"] = gate.held and not running.done()
+        gate.release()
+        await running
+    report["verified"] = pipeline.verified
+    report["batches"] = pipeline.batches
+    return report
+
+
+def staging_on_a_held_queue() -> dict[str, Any]:
+    """In the child: :func:`_staging_on_a_held_queue` on asyncio."""
+    return asyncio.run(_staging_on_a_held_queue())
+
+
+def test_the_staging_producer_waits_for_a_buffer_while_the_queue_is_held() -> None:
+    pytest.importorskip("pyopencl")
+    code = (
+        "import faulthandler, json, sys; "
+        f"faulthandler.dump_traceback_later({CHILD_TIMEOUT_S}, exit=True); "
+        f"sys.path[:0] = [{str(Path(__file__).parent)!r}]; "
+        "import test_examples as t; "
+        "print(json.dumps(t.staging_on_a_held_queue()))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+        timeout=CHILD_TIMEOUT_S + 30,
+    )
+    if "Timeout (" in result.stderr:
+        pytest.fail(
+            f"the pipeline hung for {CHILD_TIMEOUT_S} s on the held queue: an upload "
+            f"blocked (a dropped pyopencl event?). Its stacks:\n{result.stderr[-3000:]}"
+        )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["held"]
+    assert report["waited_while_held"] == 1  # the producer waits, once, for a free buffer
+    assert report["available_while_held"] == 0  # all 4 out, their copies queued
+    assert report["verified_while_held"] == 0
+    assert report["verified"] == report["batches"]
 
 
 # -- the PyTorch example: it runs on a GPU, and says what it needs elsewhere ------------

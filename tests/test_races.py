@@ -23,8 +23,8 @@ import pytest
 
 import asyncfence
 from asyncfence import _fence, _loops, _watcher
-from asyncfence._backends import opencl as _opencl
 from asyncfence._backend import backend_for
+from asyncfence._backends import opencl as _opencl
 from asyncfence.testing import StreamGate
 
 from .conftest import until
