@@ -273,6 +273,10 @@ class _AsyncioDriver:
             return False
         return True
 
+    def is_closed(self) -> bool:
+        loop = self._loop()
+        return loop is None or loop.is_closed()
+
     # For wait_for_fence.
 
     def new_waiter(self) -> _FutureWaiter:
@@ -441,6 +445,9 @@ class _TrioDriver:
         except RuntimeError:  # the run is shutting down: nothing will wait any more
             return True
         return True
+
+    def is_closed(self) -> bool:
+        return False  # known only when a post is refused (RunFinishedError)
 
     # For wait_for_fence.
 

@@ -111,6 +111,10 @@ class LoopDriver(Protocol):
         """
         ...
 
+    def is_closed(self) -> bool:
+        """Whether the loop is known to be gone (closed); safe from any thread."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class PollerStatistics:
@@ -179,8 +183,11 @@ class NativeMailbox:
         self._handle: int = handle
         self._tokens = (ctypes.c_uint64 * _TAKE_BATCH)()
         # Closed with its poller: the shim keeps the fd open while any
-        # signal can still fire, so a late write never lands elsewhere.
+        # signal can still fire, so a late write never lands elsewhere. Never
+        # at interpreter exit, from the main thread, while its loop may still
+        # run on another (a daemon thread): a process's exit frees it anyway.
         self._finalizer = weakref.finalize(self, self._library.af_mailbox_close, handle)
+        self._finalizer.atexit = False
 
     def fileno(self) -> int:
         """The fd that turns readable when a signal fired."""
@@ -237,12 +244,14 @@ class ThreadMailbox:
         self,
         call_soon_threadsafe: Callable[[Callable[[], None]], object],
         deliver: Callable[[list[Fence]], None],
+        is_closed: Callable[[], bool] | None = None,
     ) -> None:
         # Weakly, where they are methods: the watcher thread holds mailboxes,
         # and must never keep a closed loop's poller (and, through its
         # waiters, the loop itself) alive.
         self._call_soon_threadsafe = _weakly(call_soon_threadsafe)
         self._deliver = _weakly(deliver)
+        self._is_closed = None if is_closed is None else _weakly(is_closed)
         self._lock = threading.Lock()
         self._fences: list[Fence] = []
         self._scheduled = False
@@ -250,8 +259,11 @@ class ThreadMailbox:
 
     @property
     def closed(self) -> bool:
-        """Whether the loop is gone (a post found it closed, or its poller was collected)."""
-        return self._closed or self._deliver() is None
+        """Whether the loop is gone: closed, its poller collected, or a post refused."""
+        if self._closed or self._deliver() is None:
+            return True
+        is_closed = None if self._is_closed is None else self._is_closed()
+        return is_closed is not None and is_closed()
 
     def post(self, fences: list[Fence]) -> bool:
         """Hand ``fences`` to the loop. Never raises.
@@ -434,7 +446,7 @@ class _ThreadParking:
 
         self._current_watcher = current_watcher
         self._driver = driver
-        self._mailbox = ThreadMailbox(driver.call_soon_threadsafe, poller.deliver)
+        self._mailbox = ThreadMailbox(driver.call_soon_threadsafe, poller.deliver, driver.is_closed)
         self._parked: set[Fence] = set()
         self._unpark_soon: set[Fence] = set()
         self.signals = 0

@@ -10,14 +10,16 @@ import pytest
 
 import asyncfence
 from asyncfence._backend import register_backend
-from asyncfence.testing import CudaDevice, OpenCLDevice, open_default_device
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
-
-    import pyopencl as cl
+from asyncfence.testing import CudaDevice, OpenCLDevice, StreamGate, open_default_device
 
 from .fake_backend import FakeBackend
+
+if TYPE_CHECKING:
+    import threading
+    from collections.abc import Callable, Iterator
+    from types import FrameType
+
+    import pyopencl as cl
 
 # The tests' own backend, registered as any backend is: tests/test_fence.py
 # runs its generic tests on it beside OpenCL and CUDA.
@@ -62,10 +64,26 @@ def device() -> OpenCLDevice:
 
 
 @pytest.fixture
-def queue(device: OpenCLDevice) -> Iterator[cl.CommandQueue]:
+def opencl_queue(device: OpenCLDevice) -> Iterator[cl.CommandQueue]:
+    """A fresh in-order OpenCL queue, finished at teardown."""
     stream = device.new_stream()
     yield stream
     stream.finish()
+
+
+@pytest.fixture
+def queue(opencl_queue: cl.CommandQueue) -> cl.CommandQueue:
+    """An OpenCL queue (``tests/test_fence.py`` has its own, of every backend)."""
+    return opencl_queue
+
+
+@pytest.fixture
+def gate(opencl_queue: cl.CommandQueue) -> Iterator[StreamGate]:
+    """A gate holding ``queue`` (released at teardown if the test did not)."""
+    held = StreamGate(opencl_queue)
+    yield held
+    if held.held:
+        held.release()
 
 
 @pytest.fixture
@@ -105,6 +123,47 @@ def strategy(request: pytest.FixtureRequest) -> Iterator[str]:
     asyncfence.configure(strategy=request.param)
     yield request.param
     asyncfence.configure(strategy=previous)
+
+
+@pytest.fixture
+def only_signals_wake() -> Iterator[None]:
+    """Re-check parked fences every 30 s, and poll unsignalled ones every 1 s.
+
+    A parked wait that resumes within the test's 10 s guard was woken by its
+    completion signal.
+    """
+    previous = asyncfence.configure()
+    asyncfence.configure(recheck_interval=30, poll_cap=1)
+    yield
+    asyncfence.configure(recheck_interval=previous.recheck_interval, poll_cap=previous.poll_cap)
+
+
+HANG_GUARD_S = 30  # a hang guard, never a timing assertion
+
+
+def pause_at(
+    function: Callable[..., Any], text: str, paused: threading.Event, go: threading.Event
+) -> Callable[[FrameType, str, object], Any]:
+    """A trace function that stops this thread once, at ``function``'s line holding ``text``."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(function)
+    target = first + next(i for i, line in enumerate(lines) if text in line)
+    code = function.__code__
+    done = False
+
+    def local(frame: FrameType, event: str, arg: object) -> Any:
+        nonlocal done
+        if event == "line" and frame.f_lineno == target and not done:
+            done = True
+            paused.set()
+            go.wait(HANG_GUARD_S)
+        return local
+
+    def calls(frame: FrameType, event: str, arg: object) -> Any:
+        return local if frame.f_code is code else None
+
+    return calls
 
 
 async def poller_ticks(count: int) -> None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -23,13 +25,25 @@ import anyio
 import pytest
 
 import asyncfence
-from asyncfence import DeviceBuffer, DeviceError, DropQueue, FenceError, PinnedBuffer, StagingPool
+from asyncfence import (
+    DeviceBuffer,
+    DeviceError,
+    DropQueue,
+    FenceError,
+    PinnedBuffer,
+    StagingPool,
+    _fence,
+)
 from asyncfence._backend import backend_for
 from asyncfence._backends.cuda import CudaBackend
 from asyncfence._backends.cuda._driver import current_context
+from asyncfence._native import shim
 from asyncfence.testing import hold
 
-from .conftest import let_loop_run, until
+from .conftest import HANG_GUARD_S, let_loop_run, pause_at, until
+
+if sys.version_info < (3, 11):
+    pass
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -37,6 +51,7 @@ if TYPE_CHECKING:
     from asyncfence.testing import CudaDevice
 
     from .cuda_emulator import Emulator
+
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -224,7 +239,6 @@ async def test_ten_thousand_fences_on_eight_streams_reuse_pooled_events(
 
 
 def _events_in_use() -> int:
-    import gc
 
     from asyncfence import Fence
 
@@ -1084,3 +1098,171 @@ def test_a_numba_stream_handle_in_either_form(raw: str) -> None:
 
     NumbaStream.__module__ = "numba.cuda.cudadrv.driver"
     assert cuda_stream_handle(NumbaStream()) == 0x1234
+
+
+# -- races ---------------------------------------------------------------------
+
+
+def test_wait_sync_follows_the_fence_not_its_recycled_event(
+    cuda_device: CudaDevice, cuda_stream: Any
+) -> None:
+    other_stream = cuda_device.new_stream()
+    try:
+        with asyncfence.testing.hold(cuda_stream) as first_gate:
+            fence = asyncfence.record(cuda_stream)
+            assert fence._marker is not None
+            event = int(fence._marker.event)
+            paused, go = threading.Event(), threading.Event()
+            returned: list[bool] = []
+
+            def wait_in_thread() -> None:
+                sys.settrace(pause_at(_fence.Fence.wait_sync, "time.sleep(", paused, go))
+                try:
+                    fence.wait_sync(timeout=HANG_GUARD_S)
+                    returned.append(True)
+                finally:
+                    sys.settrace(None)
+
+            thread = threading.Thread(target=wait_in_thread)
+            thread.start()
+            assert paused.wait(HANG_GUARD_S)  # the waiting thread is between polls
+            first_gate.release()
+            fence.wait_sync(timeout=HANG_GUARD_S)  # settled here: the event is pooled
+        with asyncfence.testing.hold(other_stream):
+            reused = asyncfence.record(other_stream)  # the same event, held
+            assert reused._marker is not None
+            assert int(reused._marker.event) == event
+            go.set()
+            thread.join(HANG_GUARD_S)
+            assert returned == [True]
+            assert not reused.done()
+        reused.wait_sync(timeout=HANG_GUARD_S)
+    finally:
+        cuda_device.close_stream(other_stream)
+
+
+# -- the completion signal -----------------------------------------------------
+
+
+async def test_one_signal_per_cuda_stream_not_per_fence(
+    cuda_stream: Any, emulator: Emulator
+) -> None:
+    v1_before, v2_before = emulator.host_funcs_launched()
+    fences = []
+    with hold(cuda_stream) as gate:
+        fences = [asyncfence.record(cuda_stream) for _ in range(20)]
+        async with anyio.create_task_group() as tg:
+            for parked, fence in enumerate(fences, start=1):  # parked in record order
+                tg.start_soon(partial(fence.wait, strategy="park"))
+                await until(lambda n=parked: asyncfence.current_statistics().parked == n)
+            gate.release()
+    assert all(fence.done() for fence in fences)
+    v1_after, v2_after = emulator.host_funcs_launched()
+    # One signal, for the oldest fence of the stream: the sweep it triggers
+    # finds the other 19, which completed behind it. (Which entry point took
+    # it, and that it got the native function itself: tests/test_wake.py.)
+    assert (v1_after - v1_before) + (v2_after - v2_before) == 1
+    await until(lambda: emulator.pending_host_funcs() == 0)
+
+
+async def test_cuda_signal_never_holds_the_users_stream(
+    cuda_device: CudaDevice, emulator: Emulator
+) -> None:
+    from cuda.bindings import driver
+
+    # The signal runs on a side stream; the user's stream runs on even while a
+    # parked fence's host function has not run yet.
+    first, second = cuda_device.new_stream(), cuda_device.new_stream()
+    try:
+        with hold(first) as gate:
+            parked = asyncfence.record(first)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(parked.wait, strategy="park"))
+                await until(lambda: asyncfence.current_statistics().parked == 1)
+                other = asyncfence.record(second)
+                await other.wait(strategy="park")  # another stream's signal is not delayed
+                gate.release()
+    finally:
+        driver.cuStreamDestroy(first)
+        driver.cuStreamDestroy(second)
+
+
+def test_a_driver_without_host_functions_falls_back_to_polling(cuda_mode: str) -> None:
+    if cuda_mode != "emulated":
+        pytest.skip("pretends to be an older emulated driver")
+    from .cuda_emulator import build
+
+    env = {
+        **os.environ,
+        "ASYNCFENCE_CUDA_DRIVER": "none",
+        "LD_LIBRARY_PATH": f"{build().parent}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+        "ASYNCFENCE_EMULATED_HIDE": "cuLaunchHostFunc",  # a driver without host functions
+    }
+    code = textwrap.dedent(
+        """
+        import asyncio
+        import asyncfence
+        from asyncfence.testing import hold, open_default_device
+
+        device = open_default_device("cuda")
+        stream = device.new_stream()
+
+        async def main():
+            with hold(stream) as gate:
+                fence = asyncfence.record(stream)
+                waiter = asyncio.ensure_future(fence.wait(strategy="park"))
+                while asyncfence.current_statistics().parked < 1:
+                    await asyncio.sleep(0.001)
+                stats = asyncfence.current_statistics()
+                print("signal", stats.cuda_signal, "armed", stats.armed)
+                gate.release()
+                await asyncio.wait_for(waiter, 30)
+            print("done", fence.done())
+
+        asyncio.run(main())
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "signal polling armed 0" in result.stdout  # no host function: it is polled
+    assert "done True" in result.stdout
+
+
+def _driver_version() -> int:
+    from cuda.bindings import driver
+
+    err, version = driver.cuDriverGetVersion()
+    assert err == driver.CUresult.CUDA_SUCCESS
+    return int(version)
+
+
+@pytest.mark.usefixtures("only_signals_wake")
+async def test_the_cuda_driver_gets_the_native_function_itself(
+    cuda_stream: Any, emulator: Emulator, wake_path: str
+) -> None:
+    v1_before, v2_before = emulator.host_funcs_launched()
+    with hold(cuda_stream) as gate:
+        fence = asyncfence.record(cuda_stream)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(fence.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 1)
+            gate.release()
+            with anyio.fail_after(10):  # poll_cap 1 s, re-check 30 s: only the signal is fast
+                await fence.wait(strategy="park")
+    v1_after, v2_after = emulator.host_funcs_launched()
+    newer_driver = _driver_version() >= 13020
+    expected = "v2" if newer_driver else "v1"
+    assert asyncfence.current_statistics().cuda_signal == expected
+    assert (v1_after - v1_before, v2_after - v2_before) == ((0, 1) if newer_driver else (1, 0))
+    if wake_path == "native":
+        native = shim()
+        assert native is not None
+        assert emulator.last_host_fn() == native.fire  # not a trampoline
+    else:
+        from asyncfence._watcher import current_watcher
+
+        signal = current_watcher()._semaphore.signal
+        assert signal is not None
+        assert emulator.last_host_fn() == signal.host_function  # libc's sem_post

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import sys
@@ -14,8 +15,8 @@ import anyio
 import pytest
 
 import asyncfence
-from asyncfence import DeviceError, DropQueue, FenceError, StagingPool
-from asyncfence.testing import hold
+from asyncfence import DeviceError, DropQueue, FenceError
+from asyncfence.testing import StreamGate, hold
 
 from .conftest import let_loop_run, until
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from asyncfence.testing import CudaDevice, OpenCLDevice
 
     from .cuda_emulator import Emulator
+
 
 pytestmark = pytest.mark.usefixtures("strategy")
 
@@ -456,7 +458,6 @@ async def test_a_free_may_defer_again(queue: cl.CommandQueue) -> None:
 
 
 def test_deferred_before_any_loop_then_drained(queue: cl.CommandQueue) -> None:
-    import asyncio
 
     dq = DropQueue()  # made outside any loop
     buffer = Buffer("early")
@@ -471,86 +472,6 @@ def test_deferred_before_any_loop_then_drained(queue: cl.CommandQueue) -> None:
 
 
 # -- staging pool ------------------------------------------------------------------------------
-
-
-async def test_staging_pool_hands_a_buffer_out_again_only_after_its_copy(
-    queue: cl.CommandQueue,
-) -> None:
-    import numpy as np
-
-    pool = StagingPool(lambda: np.zeros(16, dtype=np.uint8), 2)
-    first = await pool.acquire()
-    second = await pool.acquire()
-    assert pool.available == 0
-    with hold(queue) as gate:
-        pool.release_after(asyncfence.record(queue), first)
-        reacquired: list[Any] = []
-
-        async def consumer() -> None:
-            reacquired.append(await pool.acquire())
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(consumer)
-            await let_loop_run()
-            assert not reacquired  # the copy reading it has not run yet
-            gate.release()
-    assert reacquired[0] is first
-    pool.release_after([], reacquired[0])
-    pool.release_after([], second)
-    await pool.aclose()
-    assert pool.available == 0
-
-
-async def test_staging_pool_retires_buffers_of_failed_work(queue: cl.CommandQueue) -> None:
-    pool = StagingPool(lambda: bytearray(8), 1)
-    buffer = await pool.acquire()
-    with hold(queue) as gate:
-        pool.release_after(asyncfence.record(queue), buffer)
-        gate.fail()
-    with pytest.raises(RuntimeError, match="lost to a device fault"):
-        await pool.acquire()
-    await pool.aclose()
-
-
-async def test_staging_pool_statistics_follow_its_buffers(queue: cl.CommandQueue) -> None:
-    async with StagingPool(lambda: bytearray(8), 3) as pool:
-        assert pool.statistics() == asyncfence.StagingPoolStatistics(3, 3, 0, 0, 0, False)
-        first, second = await pool.acquire(), await pool.acquire()
-        with hold(queue) as gate:
-            pool.release_after(asyncfence.record(queue), first)
-            await until(lambda: pool.statistics().returning == 1)
-            assert pool.statistics() == asyncfence.StagingPoolStatistics(3, 1, 1, 1, 0, False)
-            gate.fail()
-        await until(lambda: pool.statistics().lost == 1)
-        assert pool.statistics() == asyncfence.StagingPoolStatistics(3, 1, 0, 1, 1, False)
-        pool.release_after([], second)
-    assert pool.statistics().closed  # async with closed it
-    assert "1 lost" in repr(pool)
-
-
-async def test_a_staging_pool_made_outside_a_loop_gets_buffers_back_from_threads(
-    queue: cl.CommandQueue,
-) -> None:
-    pool = await anyio.to_thread.run_sync(lambda: StagingPool(lambda: bytearray(8), 1))
-    buffer = await pool.acquire()
-    fence = asyncfence.record(queue)
-    await anyio.to_thread.run_sync(pool.release_after, fence, buffer)  # from a worker thread
-    with anyio.fail_after(10):
-        assert await pool.acquire() is buffer
-    pool.release_after([], buffer)
-    await pool.aclose()
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"make": 5, "count": 1}, "make must be callable"),
-        ({"make": bytearray, "count": 1, "dispose": 5}, "dispose must be None or callable"),
-    ],
-)
-def test_a_staging_pool_refuses_what_is_not_callable(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(TypeError, match=message):
-        StagingPool(**kwargs)
 
 
 # -- CUDA --------------------------------------------------------------------------------
@@ -599,3 +520,23 @@ async def test_a_cuda_fault_sends_buffers_to_on_fault(
         assert not pinned.freed
     finally:
         emulator.clear_fault(int(cuda_device.context))
+
+
+# -- drain with no time --------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_drain_with_timeout_zero_returns_when_nothing_is_pending() -> None:
+    async with asyncfence.DropQueue() as queue:
+        await queue.drain(timeout=0)
+
+
+@pytest.mark.anyio
+async def test_drain_with_timeout_zero_times_out_when_something_is(
+    queue: cl.CommandQueue, gate: StreamGate
+) -> None:
+    async with asyncfence.DropQueue() as drop:
+        drop.defer(asyncfence.record(queue), bytearray(8))
+        with pytest.raises(TimeoutError):
+            await drop.drain(timeout=0)
+        gate.release()

@@ -9,6 +9,9 @@ Backend-specific behaviour lives in ``test_opencl.py`` and ``test_cuda.py``.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -16,16 +19,23 @@ import anyio
 import pytest
 
 import asyncfence
-from asyncfence import DeviceError, Fence
+from asyncfence import DeviceError, Fence, _fence
 from asyncfence._backend import backend_for
-from asyncfence.testing import hold
+from asyncfence._backends import opencl as _opencl
+from asyncfence.testing import StreamGate, hold
 
-from .conftest import let_loop_run, until
+from .conftest import HANG_GUARD_S, let_loop_run, pause_at, until
+
+if sys.version_info < (3, 11):
+    pass
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
+    import pyopencl as cl
+
     from asyncfence.testing import CudaDevice, Device
+
 
 # Every test here runs under each strategy: the semantics do not depend on it.
 pytestmark = pytest.mark.usefixtures("strategy")
@@ -488,3 +498,87 @@ def test_repr_names_backend_and_state(queue: Any) -> None:
         gate.release()
     fence.wait_sync(timeout=30)
     assert "done" in repr(fence)
+
+
+# -- races between threads, pinned with OpenCL queues --------------------------
+
+
+def test_a_fence_settled_by_another_thread_mid_poll_reads_as_done(
+    opencl_queue: cl.CommandQueue, gate: StreamGate
+) -> None:
+    fence = asyncfence.record(opencl_queue)
+    paused, go = threading.Event(), threading.Event()
+    answer: list[object] = []
+
+    def poll_in_thread() -> None:
+        sys.settrace(pause_at(_fence.Fence._poll, "marker = self._marker", paused, go))
+        try:
+            answer.append(fence.done())
+        except BaseException as error:
+            answer.append(error)
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=poll_in_thread)
+    thread.start()
+    assert paused.wait(HANG_GUARD_S)  # past the state check, before the marker
+    gate.release()
+    opencl_queue.finish()
+    assert fence.done()  # settled here, meanwhile
+    go.set()
+    thread.join(HANG_GUARD_S)
+    assert answer == [True]
+
+
+def test_concurrent_records_are_numbered_in_queue_order(
+    opencl_queue: cl.CommandQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = backend_for(opencl_queue)
+    assert isinstance(backend, _opencl.OpenCLBackend)
+    inside, go = threading.Event(), threading.Event()
+    queue_info = backend._queue_info
+
+    def slow_queue_info(stream: cl.CommandQueue) -> Any:
+        if threading.current_thread().name == "first":
+            inside.set()  # the marker is enqueued; the fence not yet numbered
+            go.wait(HANG_GUARD_S)
+        return queue_info(stream)
+
+    monkeypatch.setattr(backend, "_queue_info", slow_queue_info)
+    fences: dict[str, _fence.Fence] = {}
+
+    def record(name: str) -> None:
+        fences[name] = asyncfence.record(opencl_queue)
+
+    first = threading.Thread(target=record, args=("first",), name="first")
+    first.start()
+    assert inside.wait(HANG_GUARD_S)
+    second = threading.Thread(target=record, args=("second",), name="second")
+    second.start()
+    # Without the record lock the second would finish now, numbered first.
+    second.join(0.5)
+    go.set()
+    first.join(HANG_GUARD_S)
+    second.join(HANG_GUARD_S)
+    assert fences["first"]._seq < fences["second"]._seq
+
+
+def test_a_child_forked_while_a_lock_is_held_gets_fresh_locks() -> None:
+    if not hasattr(os, "fork"):
+        pytest.skip("needs fork()")
+    # In a fresh process: forking this multi-threaded one is what the test is not about.
+    code = """
+import os
+from asyncfence import _config, _fence
+locks = lambda: (_fence._settle_lock, _fence._record_locks[0], _config._configure_lock)
+a, b, c = locks()
+with a, b, c:  # as other threads might hold them at the fork
+    pid = os.fork()
+    if pid == 0:
+        fresh = not any(lock.locked() for lock in locks())
+        os._exit(0 if fresh else 1)
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+    result = subprocess.run([sys.executable, "-c", code], timeout=HANG_GUARD_S, check=False)
+    assert result.returncode == 0

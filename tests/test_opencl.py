@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import gc
+import os
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
 
 import asyncfence
-from asyncfence.testing import hold
+from asyncfence.testing import StreamGate, hold
+
+from .conftest import HANG_GUARD_S
+
+if sys.version_info < (3, 11):
+    pass
 
 if TYPE_CHECKING:
     import pyopencl as cl
@@ -18,7 +28,6 @@ if TYPE_CHECKING:
 async def test_fence_waits_for_work_queued_before_it(
     device: OpenCLDevice, queue: cl.CommandQueue
 ) -> None:
-    import numpy as np
     import pyopencl as cl
 
     size = 8 << 20
@@ -71,3 +80,96 @@ def test_enqueue_wait_refuses_a_queue_of_another_context(device: OpenCLDevice, s
         other_context = cl.CommandQueue(cl.Context(device.context.devices))
         with pytest.raises(ValueError, match="context"):
             fence.enqueue_wait(other_context)
+
+
+# -- enqueue_wait on failed fences ---------------------------------------------
+
+
+def test_enqueue_wait_on_a_failed_fence_raises_and_leaves_the_stream_running(
+    device: Any, queue: cl.CommandQueue, gate: StreamGate
+) -> None:
+    fence = asyncfence.record(queue)
+    gate.fail(-5)
+    queue.finish()
+    other = device.new_stream()
+    try:
+        with pytest.raises(asyncfence.DeviceError) as failure:
+            fence.enqueue_wait(other)  # not polled yet: found failed here
+        assert failure.value.name == "CL_FAILED"
+        later = asyncfence.record(other)
+        later.wait_sync(timeout=HANG_GUARD_S)
+    finally:
+        device.close_stream(other)
+
+
+def test_a_fence_that_fails_after_enqueue_wait_fails_the_waiting_stream(
+    device: Any, queue: cl.CommandQueue, gate: StreamGate
+) -> None:
+    fence = asyncfence.record(queue)
+    other = device.new_stream()
+    try:
+        fence.enqueue_wait(other)
+        later = asyncfence.record(other)
+        gc.collect()  # nothing but the backend keeps the barrier alive now
+        gate.fail(-5)  # PoCL 3.0 aborted the process here when the barrier was gone
+        with pytest.raises(asyncfence.DeviceError):
+            fence.wait_sync(timeout=HANG_GUARD_S)
+        with pytest.raises(asyncfence.DeviceError) as failure:
+            later.wait_sync(timeout=HANG_GUARD_S)
+        assert (failure.value.code, failure.value.name) == (-1, "CL_FAILED")
+    finally:
+        device.close_stream(other)
+
+
+def test_a_fence_failing_while_enqueue_wait_runs_raises_saying_so() -> None:
+    # In a fresh process, left with os._exit: the waiting queue may be wedged
+    # for good, and releasing a wedged PoCL queue waits for it.
+    code = """
+import inspect, os, sys, threading
+import asyncfence
+from asyncfence import _fence
+from asyncfence.testing import StreamGate, open_default_device
+device = open_default_device("opencl")
+queue, other = device.new_stream(), device.new_stream()
+gate = StreamGate(queue)
+fence = asyncfence.record(queue)
+lines, first = inspect.getsourcelines(_fence.Fence.enqueue_wait)
+target = first + next(i for i, line in enumerate(lines) if "marker = self._pin()" in line)
+paused, go, result = threading.Event(), threading.Event(), []
+def local(frame, event, arg):
+    if event == "line" and frame.f_lineno == target:
+        paused.set(); go.wait(30)
+    return local
+def calls(frame, event, arg):
+    return local if frame.f_code is _fence.Fence.enqueue_wait.__code__ else None
+def enqueue_wait():
+    sys.settrace(calls)
+    try:
+        fence.enqueue_wait(other)
+        result.append("returned")
+    except asyncfence.DeviceError as error:
+        result.append(error.detail)
+    finally:
+        sys.settrace(None)
+thread = threading.Thread(target=enqueue_wait)
+thread.start()
+assert paused.wait(30)  # past its own check: the fence was still pending
+gate.fail(-5)
+queue.finish()  # the fence has failed now
+go.set()
+thread.join(30)
+print(result)
+sys.stdout.flush()
+os._exit(0)
+"""
+    env = {**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=HANG_GUARD_S,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "failed while enqueue_wait ran" in result.stdout

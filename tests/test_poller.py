@@ -1,4 +1,9 @@
-"""The poller under failure: nothing it does can kill a loop's waits, or keep a dead loop alive."""
+"""The poller (``asyncfence._poller``): polling, parking, and failures.
+
+Polling queries only what can have completed; parked fences wake by their own
+completion signals, with no thread on the native path; and nothing the poller
+does can kill a loop's waits, or keep a dead loop alive.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import random
 import threading
 import weakref
 from functools import partial
@@ -15,15 +21,19 @@ import anyio
 import pytest
 
 import asyncfence
-from asyncfence import _poller, _watcher
+from asyncfence import DeviceError, _poller, _watcher
 from asyncfence.testing import hold
 
-from .conftest import until
+from .conftest import let_loop_run, poller_ticks, until
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import pyopencl as cl
 
-    from asyncfence.testing import OpenCLDevice
+    from asyncfence.testing import CudaDevice, OpenCLDevice
+
+    from .cuda_emulator import Emulator
 
 
 class _ThreadThatCannotStart(threading.Thread):
@@ -235,3 +245,386 @@ async def test_two_hundred_timed_out_waits_leave_no_threads_behind(
 async def _time_out(fence: asyncfence.Fence) -> None:
     with pytest.raises(TimeoutError):
         await fence.wait(timeout=0.01, strategy="park")
+
+
+# -- polling -------------------------------------------------------------------
+
+
+@pytest.fixture
+def poll_by_default() -> Iterator[None]:
+    """Poll, whatever the default strategy."""
+    previous = asyncfence.configure().strategy
+    asyncfence.configure(strategy="poll")
+    yield
+    asyncfence.configure(strategy=previous)
+
+
+@pytest.mark.usefixtures("poll_by_default")
+async def test_poller_checks_one_fence_per_in_order_queue_per_tick(
+    device: OpenCLDevice,
+) -> None:
+    queues = [device.new_stream() for _ in range(3)]
+    gates = [hold(q) for q in queues]
+    handles = [gate.__enter__() for gate in gates]
+    try:
+        fences = [asyncfence.record(q) for q in queues for _ in range(50)]
+        async with anyio.create_task_group() as tg:
+            for fence in fences:
+                tg.start_soon(fence.wait)
+            await until(lambda: asyncfence.current_statistics().waiters == len(fences))
+            before = asyncfence.current_statistics()
+            await poller_ticks(5)
+            after = asyncfence.current_statistics()
+            assert after.pending_fences == 150
+            assert after.queues == 3
+            assert after.queries - before.queries == 3 * (after.ticks - before.ticks)
+            for handle in handles:
+                handle.release()
+    finally:
+        for gate in gates:
+            gate.__exit__(None, None, None)
+    assert all(fence.done() for fence in fences)
+
+
+@pytest.mark.usefixtures("poll_by_default")
+async def test_poller_checks_every_fence_on_an_out_of_order_queue(
+    unordered_queue: cl.CommandQueue,
+) -> None:
+    with hold(unordered_queue) as gate:
+        fences = [asyncfence.record(unordered_queue) for _ in range(5)]
+        async with anyio.create_task_group() as tg:
+            for fence in fences:
+                tg.start_soon(fence.wait)
+            await until(lambda: asyncfence.current_statistics().waiters == 5)
+            before = asyncfence.current_statistics()
+            await poller_ticks(5)
+            after = asyncfence.current_statistics()
+            assert after.queries - before.queries == 5 * (after.ticks - before.ticks)
+            gate.release()
+    assert all(fence.done() for fence in fences)
+
+
+@pytest.mark.usefixtures("poll_by_default")
+async def test_fences_awaited_out_of_record_order(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fences = [asyncfence.record(queue) for _ in range(10)]
+        async with anyio.create_task_group() as tg:
+            for fence in reversed(fences):
+                tg.start_soon(fence.wait)
+            await until(lambda: asyncfence.current_statistics().waiters == 10)
+            gate.release()
+    assert all(fence.done() for fence in fences)
+
+
+@pytest.mark.usefixtures("poll_by_default")
+async def test_idle_poller_does_no_work(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fence.wait)
+            await until(lambda: asyncfence.current_statistics().running)
+            gate.release()
+    await until(lambda: not asyncfence.current_statistics().running)
+    idle = asyncfence.current_statistics()
+    for _ in range(20):
+        await anyio.sleep(0.001)
+    assert asyncfence.current_statistics() == idle
+    assert (idle.pending_fences, idle.waiters, idle.queues) == (0, 0, 0)
+
+
+@pytest.mark.usefixtures("poll_by_default")
+async def test_statistics_before_any_wait_are_zero() -> None:
+    stats = asyncfence.current_statistics()
+    assert stats == asyncfence.PollerStatistics()
+
+
+@pytest.mark.usefixtures("poll_by_default")
+async def test_mixed_strategies_on_one_fence(queue: cl.CommandQueue) -> None:
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        poll_scope = anyio.CancelScope()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_wait_in, poll_scope, fence, "poll")
+            tg.start_soon(partial(fence.wait, strategy="park"))
+            tg.start_soon(partial(fence.wait, strategy="auto"))
+            await until(lambda: asyncfence.current_statistics().waiters == 3)
+            assert asyncfence.current_statistics().parked == 1
+            await let_loop_run()
+            assert asyncfence.current_statistics().queues == 1  # polled for "poll"
+            poll_scope.cancel()  # the poll waiter leaves: nothing needs polling any more
+            await until(lambda: not asyncfence.current_statistics().running)
+            assert asyncfence.current_statistics().queues == 0
+            gate.release()
+    assert fence.done()
+
+
+async def _wait_in(scope: anyio.CancelScope, fence: asyncfence.Fence, strategy: str) -> None:
+    with scope:
+        await fence.wait(strategy=strategy)  # type: ignore[arg-type]
+
+
+# -- parking -------------------------------------------------------------------
+
+
+@pytest.fixture
+def quick_recheck() -> Iterator[None]:
+    """Re-check parked fences every 10 ms, so fault tests finish quickly."""
+    previous = asyncfence.configure().recheck_interval
+    asyncfence.configure(recheck_interval=0.01)
+    yield
+    asyncfence.configure(recheck_interval=previous)
+
+
+@pytest.fixture(params=["opencl", "cuda"])
+def stream(request: pytest.FixtureRequest, device: OpenCLDevice) -> Iterator[Any]:
+    """A stream on each backend: a PoCL queue, and a CUDA stream."""
+    if request.param == "opencl":
+        queue = device.new_stream()
+        yield queue
+        queue.finish()
+        return
+    cuda_device: CudaDevice = request.getfixturevalue("cuda_device")
+    from cuda.bindings import driver
+
+    cuda_stream = cuda_device.new_stream()
+    yield cuda_stream
+    driver.cuStreamDestroy(cuda_stream)
+
+
+async def test_park_leaves_the_loop_idle_while_the_work_runs(stream: Any, wake_path: str) -> None:
+    with hold(stream) as gate:
+        fence = asyncfence.record(stream)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(fence.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 1)
+            before = asyncfence.current_statistics()
+            await let_loop_run()
+            after = asyncfence.current_statistics()
+            assert after.ticks == before.ticks == 0  # not one poll
+            assert not after.running
+            assert after.wake_path == wake_path
+            if wake_path == "native":  # the loop's own mailbox: no thread at all
+                assert after.armed == 1
+                assert not asyncfence.watcher_statistics().running
+            else:
+                assert asyncfence.watcher_statistics().parked >= 1
+            assert not fence.done()
+            gate.release()
+    assert fence.done()
+    stats = asyncfence.current_statistics()
+    assert (stats.waiters, stats.parked) == (0, 0)
+
+
+async def test_auto_spins_then_parks(stream: Any) -> None:
+    with hold(stream) as gate:
+        fence = asyncfence.record(stream)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(fence.wait, strategy="auto"))
+            await until(lambda: asyncfence.current_statistics().parked == 1)
+            assert asyncfence.current_statistics().ticks >= 1  # it spun first
+            await until(lambda: not asyncfence.current_statistics().running)
+            ticks = asyncfence.current_statistics().ticks
+            await let_loop_run()
+            assert asyncfence.current_statistics().ticks == ticks  # parked: no polling
+            gate.release()
+    assert fence.done()
+
+
+async def test_auto_sees_work_done_within_the_spin_budget(queue: Any) -> None:
+    fence = asyncfence.record(queue)  # an idle queue: done almost at once
+    await fence.wait(strategy="auto")
+    assert fence.done()
+    assert asyncfence.current_statistics().parked == 0
+
+
+async def test_many_parked_waiters_on_many_streams(device: OpenCLDevice) -> None:
+    queues = [device.new_stream() for _ in range(8)]
+    with contextlib.ExitStack() as stack:
+        gates = [stack.enter_context(hold(q)) for q in queues]
+        fences = [asyncfence.record(q) for q in queues for _ in range(10)]
+        async with anyio.create_task_group() as tg:
+            for fence in fences:
+                tg.start_soon(partial(fence.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == len(fences))
+            for gate in reversed(gates):
+                gate.release()
+    assert all(fence.done() for fence in fences)
+
+
+@pytest.mark.usefixtures("quick_recheck")
+async def test_a_failed_opencl_event_reaches_parked_waiters(queue: Any) -> None:
+    errors: list[DeviceError] = []
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+
+        async def waiter(strategy: str) -> None:
+            try:
+                await fence.wait(strategy=strategy)  # type: ignore[arg-type]
+            except DeviceError as error:
+                errors.append(error)
+
+        async with anyio.create_task_group() as tg:
+            for strategy in ("park", "auto", "park"):
+                tg.start_soon(waiter, strategy)
+            await until(lambda: asyncfence.current_statistics().parked == 1)
+            await until(lambda: asyncfence.current_statistics().waiters == 3)
+            gate.fail()  # PoCL sends no callback for a failure: the re-check finds it
+    assert len(errors) == 3
+
+
+@pytest.mark.usefixtures("quick_recheck")
+async def test_a_cuda_fault_reaches_parked_waiters(
+    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+) -> None:
+    try:
+        with hold(cuda_stream):
+            fence = asyncfence.record(cuda_stream)
+            async with anyio.create_task_group() as tg:
+
+                async def waiter() -> None:
+                    with pytest.raises(DeviceError) as caught:
+                        await fence.wait(strategy="park")
+                    assert caught.value.name == "CUDA_ERROR_ILLEGAL_ADDRESS"
+
+                tg.start_soon(waiter)
+                tg.start_soon(waiter)
+                await until(lambda: asyncfence.current_statistics().parked == 1)
+                # Host functions never run after a fault: only the re-check can see it.
+                emulator.inject_fault(int(cuda_device.context), 700)
+    finally:
+        emulator.clear_fault(int(cuda_device.context))
+
+
+async def test_when_the_oldest_leaves_the_next_one_is_signalled(stream: Any) -> None:
+    asyncfence.configure(recheck_interval=30)  # only a signal can wake it in time
+    with hold(stream) as gate:
+        oldest, behind = asyncfence.record(stream), asyncfence.record(stream)
+        async with anyio.create_task_group() as tg:
+            oldest_scope = anyio.CancelScope()
+            tg.start_soon(partial(_wait_in, oldest_scope, oldest, "park"))
+            tg.start_soon(partial(behind.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 2)
+            oldest_scope.cancel()
+            await until(lambda: asyncfence.current_statistics().parked == 1)
+            gate.release()
+            with anyio.fail_after(10):  # the re-check is 30 s away: this is the signal
+                await behind.wait(strategy="park")
+    assert behind.done()
+
+
+async def test_cancellation_racing_completion(queue: Any) -> None:
+    for _ in range(50):
+        gate_cm = hold(queue)
+        gate = gate_cm.__enter__()
+        fence = asyncfence.record(queue)
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(fence.wait, strategy="park"))
+                await until(lambda: asyncfence.current_statistics().parked == 1)
+                threading.Thread(target=gate.release).start()
+                scope.cancel()
+        gate_cm.__exit__(None, None, None)
+        await fence.wait(strategy="park")  # the late signal hurt nothing
+        stats = asyncfence.current_statistics()
+        assert (stats.waiters, stats.parked, stats.pending_fences) == (0, 0, 0)
+    await until(lambda: asyncfence.watcher_statistics().parked == 0)
+
+
+async def test_a_signal_after_the_waiter_left_is_harmless(queue: Any) -> None:
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        with anyio.move_on_after(0.02):
+            await fence.wait(strategy="park")
+        assert asyncfence.current_statistics().parked == 0
+        gate.release()
+    await let_loop_run()
+    await fence.wait(strategy="park")
+
+
+# -- parked waits woken by their own signals -----------------------------------
+
+
+def asyncfence_threads() -> set[str]:
+    return {thread.name for thread in threading.enumerate() if "asyncfence" in thread.name}
+
+
+@pytest.mark.usefixtures("only_signals_wake")
+async def test_a_parked_wait_needs_no_thread(stream: Any, wake_path: str) -> None:
+    with hold(stream) as gate:
+        fence = asyncfence.record(stream)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(fence.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 1)
+            if wake_path == "native":
+                # (anyio runs trio tests in guest mode, whose I/O waits use a
+                # "Trio thread" of trio's own: so names, not a thread count.)
+                assert asyncfence_threads() == set()
+                assert not asyncfence.watcher_statistics().running
+            signals = asyncfence.current_statistics().signals
+            gate.release()
+    assert fence.done()
+    if wake_path == "native":
+        assert asyncfence.current_statistics().signals == signals + 1
+        assert asyncfence.current_statistics().rechecks == 0
+
+
+@pytest.mark.usefixtures("only_signals_wake")
+async def test_an_older_fence_parked_after_a_newer_one_wakes_by_its_own_signal(
+    stream: Any,
+) -> None:
+    with hold(stream) as gate:
+        older = asyncfence.record(stream)
+        with hold(stream) as later_gate:
+            newer = asyncfence.record(stream)
+            woken: list[str] = []
+
+            async def wait(name: str, fence: asyncfence.Fence) -> None:
+                await fence.wait(strategy="park")
+                woken.append(name)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait, "newer", newer)
+                await until(lambda: asyncfence.current_statistics().parked == 1)
+                tg.start_soon(wait, "older", older)
+                await until(lambda: asyncfence.current_statistics().parked == 2)
+                gate.release()  # the older completes; the newer is still held
+                with anyio.fail_after(10):  # the re-check is 30 s away
+                    await until(lambda: woken == ["older"])
+                later_gate.release()
+    assert woken == ["older", "newer"]
+
+
+@pytest.mark.usefixtures("only_signals_wake")
+async def test_64_waiters_on_64_queues_completing_in_random_order(device: OpenCLDevice) -> None:
+    queues = [device.new_stream() for _ in range(64)]
+    with contextlib.ExitStack() as stack:
+        gates = [stack.enter_context(hold(queue)) for queue in queues]
+        fences = [asyncfence.record(queue) for queue in queues]
+        async with anyio.create_task_group() as tg:
+            for fence in fences:
+                tg.start_soon(partial(fence.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 64)
+            order = list(range(64))
+            random.Random(1).shuffle(order)
+            with anyio.fail_after(10):
+                for index in order:
+                    gates[index].release()
+                    await until(lambda index=index: fences[index].done())
+    assert asyncfence.current_statistics().parked == 0
+
+
+async def test_a_thousand_parked_queues_add_no_thread_per_queue(device: OpenCLDevice) -> None:
+    queues = [device.new_stream() for _ in range(1000)]
+    threads_before = threading.active_count()
+    with contextlib.ExitStack() as stack:
+        gates = [stack.enter_context(hold(queue)) for queue in queues]
+        fences = [asyncfence.record(queue) for queue in queues]
+        async with anyio.create_task_group() as tg:
+            for fence in fences:
+                tg.start_soon(partial(fence.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 1000)
+            # At most the fallback's watcher, and trio's guest-mode I/O thread.
+            assert threading.active_count() - threads_before <= 2
+            for gate in gates:
+                gate.release()
+    assert all(fence.done() for fence in fences)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from .cuda_emulator import Emulator
 
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -219,3 +220,76 @@ async def test_a_fault_while_the_drop_queue_holds_buffers(
         from cuda.bindings import driver
 
         driver.cuStreamDestroy(other)
+
+
+# -- exit ----------------------------------------------------------------------
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("runner", ["asyncio", "uvloop", "trio"])
+@pytest.mark.parametrize("backend", ["opencl", "cuda"])
+def test_exit_with_fences_pending(backend: str, runner: str, cuda_mode: str) -> None:
+    if backend == "cuda" and cuda_mode != "emulated":
+        pytest.skip("runs the subprocess on the emulated driver")
+    env = {**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"}
+    if backend == "cuda":
+        from .cuda_emulator import build
+
+        env["LD_LIBRARY_PATH"] = f"{build().parent}:{env.get('LD_LIBRARY_PATH', '')}"
+    code = textwrap.dedent(
+        f"""
+        import asyncio, threading, time
+        import asyncfence
+        from asyncfence.testing import StreamGate, open_default_device
+        if {runner!r} == "trio":
+            import trio
+
+        device = open_default_device({backend!r})
+        stream = device.new_stream()
+        gate = StreamGate(stream)  # never released
+        fences = [asyncfence.record(stream) for _ in range(3)]
+        parked = threading.Event()
+
+        async def until_parked():
+            while asyncfence.current_statistics().parked < 1:
+                await (trio.sleep(0.001) if {runner!r} == "trio" else asyncio.sleep(0.001))
+            parked.set()
+
+        async def wait_forever():
+            if {runner!r} == "trio":
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(until_parked)
+                    for fence in fences:
+                        await fence.wait(strategy="park")
+            else:
+                watch = asyncio.ensure_future(until_parked())
+                for fence in fences:
+                    await fence.wait(strategy="park")
+
+        def background():
+            if {runner!r} == "trio":
+                trio.run(wait_forever)
+            elif {runner!r} == "uvloop":
+                import uvloop
+                uvloop.run(wait_forever())
+            else:
+                asyncio.run(wait_forever())
+
+        threading.Thread(target=background, daemon=True).start()
+        assert parked.wait(30)
+        assert not any(fence.done() for fence in fences)
+        print("parked", flush=True)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=30,  # a hang guard, not a timing assertion
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "parked" in result.stdout

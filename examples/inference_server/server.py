@@ -4,15 +4,18 @@
 per token. Requests are gathered into batches; each batch runs on the device
 (a gather kernel where the OpenCL device can build one, else one device copy
 per row; ``--gather`` chooses), the handler awaits the batch's fence, and the
-staging buffers go back through the drop queue once the device is done with
-them. The loop never blocks on the device, so it keeps accepting requests
-meanwhile.
+staging buffers, with the events of the batch's host transfers, go back
+through the drop queue once the device is done with them. Nothing on the loop
+waits for the device, so it keeps accepting requests meanwhile.
 
     python examples/inference_server/server.py --port 8000 [--wait to_thread]
-        [--gather auto|kernel|copies]
+        [--gather auto|kernel|copies] [--busy-loop US] [--device-ms MS]
 
 ``--wait to_thread`` serves the same work but waits the usual way,
-``await asyncio.to_thread(event.wait)``, for comparison (see ``load.py``).
+``await asyncio.to_thread(event.wait)``, for comparison (see ``load.py`` and
+``README.md`` beside this file). ``--port 0`` picks a free port. Once it
+serves, the server prints one line: ``serving on http://HOST:PORT (WAIT,
+gather=...)``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import socket
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,26 +65,45 @@ def embedding(token: int) -> list[float]:
 
 @dataclass
 class Slot:
-    """The buffers of one batch in flight: reused only once the device is done."""
+    """The buffers of one batch in flight: reused only once the device is done.
+
+    ``transfers`` holds pyopencl's events for the batch's copies between host
+    and device. Such an event, garbage-collected, waits for its transfer with
+    the GIL held (it keeps the host array alive): dropped at once, it would
+    make the copy synchronous, and on a held queue never return. The pool
+    keeps the slot, and so its events, until the batch's fence has completed.
+    """
 
     ids_host: np.ndarray
     out_host: np.ndarray
     ids_device: Any = None
     out_device: Any = None
+    transfers: tuple[Any, ...] = ()
 
 
 class OpenCLModel:
-    """The lookup table on an OpenCL device, and the gather that reads it."""
+    """The lookup table on an OpenCL device, and the gather that reads it.
 
-    def __init__(self, device: Any, gather: str = "auto") -> None:
+    Args:
+        device: The OpenCL device (``open_default_device("opencl")``).
+        gather: ``"kernel"``, ``"copies"``, or ``"auto"``: a kernel where the
+            device can build one.
+        device_s: Extra device work queued before each batch's gather, in
+            seconds (calibrated once, here, before serving).
+    """
+
+    def __init__(self, device: Any, gather: str = "auto", device_s: float = 0.0) -> None:
         import pyopencl as cl
 
         self.cl = cl
+        self.device = device
         self.context = device.context
         table = np.array([embedding(token) for token in range(VOCAB)], dtype=np.float32)
         flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
         self.table = cl.Buffer(self.context, flags, hostbuf=table)
         self.streams = [device.new_stream() for _ in range(IN_FLIGHT)]
+        # Device-side copies of 1 MiB: blocks only here, while calibrating.
+        self.busy_chunks = device.chunks_for(device_s) if device_s > 0 else 0
         self.kernel: Any = None
         if gather == "copies":
             return
@@ -92,6 +116,7 @@ class OpenCLModel:
                 raise RuntimeError(message) from None
 
     def new_slot(self) -> Slot:
+        """Allocate the host and device buffers of one batch."""
         cl = self.cl
         size = MAX_BATCH * DIM * 4
         return Slot(
@@ -102,13 +127,25 @@ class OpenCLModel:
         )
 
     def run(self, stream: Any, slot: Slot, count: int) -> None:
-        """Queue the batch: upload ids, gather rows, download them. Never blocks."""
+        """Queue the batch: upload ids, gather rows, download them. Never blocks.
+
+        The events of the host transfers go into ``slot.transfers``: keep the
+        slot until a fence recorded after this call has completed.
+        """
         cl = self.cl
+        transfers = []
+        if self.busy_chunks:
+            self.device.launch_chunks(stream, self.busy_chunks)
         if self.kernel is not None:
-            cl.enqueue_copy(stream, slot.ids_device, slot.ids_host, is_blocking=False)
+            transfers.append(
+                cl.enqueue_copy(stream, slot.ids_device, slot.ids_host, is_blocking=False)
+            )
+            # Always the whole slot: PoCL compiles a kernel for each launch size
+            # it meets (on its device thread, then caches it on disk); rows past
+            # ``count`` gather valid ids (earlier batches' or zeros), never read.
             self.kernel(
                 stream,
-                (count, DIM),
+                (MAX_BATCH, DIM),
                 None,
                 self.table,
                 slot.ids_device,
@@ -118,6 +155,7 @@ class OpenCLModel:
         else:
             row = DIM * 4
             for index, token in enumerate(slot.ids_host[:count].tolist()):
+                # Device to device: its event does not wait when dropped.
                 cl.enqueue_copy(
                     stream,
                     slot.out_device,
@@ -126,8 +164,15 @@ class OpenCLModel:
                     src_offset=token * row,
                     dst_offset=index * row,
                 )
-        cl.enqueue_copy(stream, slot.out_host, slot.out_device, is_blocking=False)
+        transfers.append(cl.enqueue_copy(stream, slot.out_host, slot.out_device, is_blocking=False))
+        slot.transfers = tuple(transfers)
         stream.flush()
+
+    def warm_up(self) -> None:
+        """Run one batch to the end; blocks. Before serving: PoCL compiles on first launch."""
+        stream = self.streams[0]
+        self.run(stream, self.new_slot(), 1)
+        asyncfence.record(stream).wait_sync()
 
     def raw_wait(self, stream: Any) -> None:
         """The usual blocking wait, for the to_thread comparison."""
@@ -154,6 +199,7 @@ class Batcher:
         self.batches = 0
 
     async def serve(self) -> None:
+        """Take requests, batch them, and run each batch; until cancelled."""
         async with anyio.create_task_group() as tasks:
             while True:
                 batch = [await self.requests.get()]
@@ -174,13 +220,15 @@ class Batcher:
                 tasks.start_soon(self.run, batch, slot)
 
     async def run(self, batch: list[Request_], slot: Slot) -> None:
+        """Run one batch on the device and answer its requests."""
         tokens = [token for request in batch for token in request.tokens]
         slot.ids_host[: len(tokens)] = tokens
         stream = self.model.streams[self.next_stream % IN_FLIGHT]
         self.next_stream += 1
-        self.model.run(stream, slot, len(tokens))
-        fence = asyncfence.record(stream)
+        fence: asyncfence.Fence | None = None
         try:
+            self.model.run(stream, slot, len(tokens))
+            fence = asyncfence.record(stream)
             if self.wait == "to_thread":
                 await asyncio.to_thread(self.model.raw_wait, stream)
             else:
@@ -191,7 +239,11 @@ class Batcher:
                 request.answer.set_exception(error)
             return
         finally:
-            self.slots.release_after(fence, slot)  # reused once the device is done
+            # The slot, and with it its transfers' events, is reused only once
+            # the device is done with this batch (and its rows are read).
+            self.slots.release_after(
+                fence if fence is not None else asyncfence.record(stream), slot
+            )
         self.batches += 1
         start = 0
         for request in batch:
@@ -199,7 +251,27 @@ class Batcher:
             start += len(request.tokens)
 
 
-def make_app(wait: str, gather: str = "auto") -> Starlette:
+async def keep_loop_busy(work_s: float) -> None:
+    """Other work on the loop: ``work_s`` of Python at a time, then a yield; forever."""
+    while True:
+        end = time.perf_counter() + work_s
+        while time.perf_counter() < end:
+            pass
+        await asyncio.sleep(0)
+
+
+def make_app(
+    wait: str, gather: str = "auto", *, busy_loop_s: float = 0.0, device_s: float = 0.0
+) -> Starlette:
+    """The service: ``POST /embed`` and ``GET /health``.
+
+    Args:
+        wait: ``"asyncfence"`` (await the batch's fence) or ``"to_thread"``.
+        gather: ``"auto"``, ``"kernel"`` or ``"copies"`` (see ``OpenCLModel``).
+        busy_loop_s: Keep the loop busy with a background task running this
+            much Python between yields; 0 for none.
+        device_s: Extra device work per batch, in seconds.
+    """
     state: dict[str, Any] = {}
 
     async def embed(request: Request) -> JSONResponse:
@@ -217,36 +289,67 @@ def make_app(wait: str, gather: str = "auto") -> Starlette:
         return JSONResponse({"embeddings": await pending.answer})
 
     async def health(request: Request) -> JSONResponse:
-        batcher: Batcher = state["batcher"]
-        return JSONResponse(
-            {
-                "device": state["device"].name,
-                "wait": wait,
-                "gather": "kernel" if batcher.model.kernel is not None else "copies",
-                "batches": batcher.batches,
-            }
-        )
+        return JSONResponse({**app.state.settings, "batches": state["batcher"].batches})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         device = open_default_device("opencl")
-        state["device"] = device
-        state["batcher"] = batcher = Batcher(OpenCLModel(device, gather), wait)
-        serving = asyncio.ensure_future(batcher.serve())
+        model = OpenCLModel(device, gather, device_s)
+        model.warm_up()  # not serving yet: nothing else on the loop to block
+        state["batcher"] = batcher = Batcher(model, wait)
+        loop = asyncio.get_running_loop()
+        app.state.settings = {
+            "device": device.name,
+            "wait": wait,
+            "gather": "kernel" if model.kernel is not None else "copies",
+            "loop": f"{type(loop).__module__}.{type(loop).__qualname__}",
+            "busy_loop_us": busy_loop_s * 1e6,
+            "device_ms": device_s * 1e3,
+        }
+        background = [asyncio.ensure_future(batcher.serve())]
+        if busy_loop_s > 0:
+            background.append(asyncio.ensure_future(keep_loop_busy(busy_loop_s)))
         yield
-        serving.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await serving
+        for task in background:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await batcher.slots.aclose()
 
     routes = [Route("/embed", embed, methods=["POST"]), Route("/health", health)]
-    return Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan)
+    return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, saying where it serves once it does."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Start serving, then print ``serving on http://HOST:PORT (WAIT, gather=...)``."""
+        await super().startup(sockets)
+        if not self.started or not sockets:
+            return
+        host, port = sockets[0].getsockname()[:2]
+        app = self.config.app
+        assert isinstance(app, Starlette)
+        settings = app.state.settings
+        extra = ""
+        if settings["busy_loop_us"]:
+            extra += f", busy loop {settings['busy_loop_us']:g} µs"
+        if settings["device_ms"]:
+            extra += f", device {settings['device_ms']:g} ms a batch"
+        print(
+            f"serving on http://{host}:{port} ({settings['wait']}, "
+            f"gather={settings['gather']}{extra})",
+            flush=True,
+        )
 
 
 def main() -> None:
+    """Parse the command line and serve."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="0 for a free one")
     parser.add_argument("--wait", choices=("asyncfence", "to_thread"), default="asyncfence")
     parser.add_argument("--strategy", choices=("auto", "poll", "park"), default="auto")
     parser.add_argument(
@@ -256,10 +359,28 @@ def main() -> None:
         help="the batch as one gather kernel, as one device copy per row, or "
         "a kernel where the device can build one (default)",
     )
+    parser.add_argument(
+        "--busy-loop",
+        type=float,
+        default=0.0,
+        metavar="US",
+        help="keep the loop busy: a background task runs US microseconds of Python, "
+        "then yields (await asyncio.sleep(0)), forever; 0 (the default) for none",
+    )
+    parser.add_argument(
+        "--device-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="extra device work queued with each batch, in milliseconds (default 0)",
+    )
     args = parser.parse_args()
     asyncfence.configure(strategy=args.strategy)
-    app = make_app(args.wait, args.gather)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    app = make_app(
+        args.wait, args.gather, busy_loop_s=args.busy_loop * 1e-6, device_s=args.device_ms * 1e-3
+    )
+    listening = socket.create_server((args.host, args.port))
+    Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
 
 
 if __name__ == "__main__":

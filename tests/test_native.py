@@ -1,0 +1,133 @@
+"""The native shim (``asyncfence/_native.c``) and its mailboxes, through ctypes.
+
+The device runtime calls the shim on its own thread; it writes the waiting
+loop's mailbox fd, and the loop's own selector wakes the poller. These tests
+skip where the shim is not in use (the thread-based fallback's CI run);
+parked waits themselves are tested in ``test_poller.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import select
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from asyncfence._native import Shim, shim
+from asyncfence._poller import NativeMailbox
+
+
+@pytest.fixture
+def native() -> Shim:
+    loaded = shim()
+    if loaded is None:
+        pytest.skip("the native shim is not in use in this run")
+    return loaded
+
+
+def readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def fire(native: Shim, slot: int) -> None:
+    """Call the signal as the device runtime would (here from the calling thread)."""
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.fire)(slot)
+
+
+# -- the mailbox ------------------------------------------------------------------------
+
+
+def test_a_fired_signal_makes_the_fd_readable_and_is_taken_once(native: Shim) -> None:
+    mailbox = NativeMailbox(native)
+    _, slot = mailbox.signal(7)
+    assert not readable(mailbox.fileno())
+    fire(native, slot)
+    assert readable(mailbox.fileno())
+    assert mailbox.take() == [7]
+    assert not readable(mailbox.fileno())  # drained first
+    assert mailbox.take() == []
+
+
+def test_signals_from_many_threads_arrive_exactly_once(native: Shim) -> None:
+    mailbox = NativeMailbox(native)
+    slots = [mailbox.signal(token)[1] for token in range(4000)]
+    random.Random(0).shuffle(slots)
+
+    def fire_all(part: list[int]) -> None:
+        for slot in part:
+            fire(native, slot)
+
+    threads = [threading.Thread(target=fire_all, args=(slots[i::4],)) for i in range(4)]
+    taken: list[int] = []
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads) or readable(mailbox.fileno()):
+        taken.extend(mailbox.take())
+    for thread in threads:
+        thread.join()
+    taken.extend(mailbox.take())
+    assert sorted(taken) == list(range(4000))
+
+
+def test_a_signal_after_the_loop_let_go_is_safe_and_frees_everything(native: Shim) -> None:
+    slots_before, mailboxes_before = native.live_slots(), native.live_mailboxes()
+    mailbox = NativeMailbox(native)
+    _, first = mailbox.signal(1)
+    _, second = mailbox.signal(2)
+    fd = mailbox.fileno()
+    del mailbox  # the loop is gone; two signals are still armed
+    assert native.live_mailboxes() == mailboxes_before + 1  # kept open for them
+    fire(native, first)
+    assert os.fstat(fd)  # still this mailbox's fd: never closed under a signal
+    fire(native, second)
+    assert native.live_mailboxes() == mailboxes_before
+    assert native.live_slots() == slots_before
+
+
+def test_an_unused_slot_is_freed(native: Shim) -> None:
+    before = native.live_slots()
+    mailbox = NativeMailbox(native)
+    _, slot = mailbox.signal(1)
+    assert native.live_slots() == before + 1
+    mailbox.discard(slot)
+    assert native.live_slots() == before
+
+
+def test_a_forked_child_never_drains_its_parents_mailbox(native: Shim) -> None:
+    # In a fresh process, with no other thread: forking this one is not the point.
+    code = """
+import ctypes, os, select
+from asyncfence._native import shim
+from asyncfence._poller import NativeMailbox
+native = shim()
+mailbox = NativeMailbox(native)
+_, slot = mailbox.signal(3)
+ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.fire)(slot)
+readable = lambda: bool(select.select([mailbox.fileno()], [], [], 0)[0])
+pid = os.fork()
+if pid == 0:  # the child: the fd is shared with the parent, the mailbox is not its own
+    ok = mailbox.take() == [] and readable()
+    del mailbox  # its finalizer must leave the parent's fd alone too
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, "the child touched the mailbox"
+assert readable(), "the child drained the parent's wake"
+assert mailbox.take() == [3]
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
+
+
+# -- parked waits, woken by their own signals ------------------------------------------------
+
+
+# -- CUDA: the raw host-function entry points ------------------------------------------------
