@@ -28,25 +28,24 @@ class Config:
     """The settings every wait uses unless it says otherwise.
 
     Attributes:
-        strategy: How waits wait, unless a wait names its own:
+        strategy: How waits wait, unless a wait names its own. What each
+            does and when it fits: ``docs/waiting.md``
+            ([How waiting works][how-waiting-works]).
 
-            * ``"auto"`` (the default): re-check for the spin budget, then
-              park. Low latency for short work, no CPU for long work.
-            * ``"poll"``: re-check for the spin budget, then keep polling
-              with sleeps that grow up to ``poll_cap``. No thread and no
-              callback involved; costs a little CPU for as long as work runs.
-            * ``"park"``: no polling on the loop at all: the device's
-              completion signal wakes the loop through the watcher thread.
+            * ``"auto"`` (the default): re-check for the spin budget, then park.
+            * ``"poll"``: re-check for the spin budget, then poll on the loop.
+            * ``"park"``: park at once, until the completion signal.
         spin_budget: Seconds after a wait begins during which the poller
             re-checks at once, yielding to the loop between checks. Short
             device work is seen within microseconds.
         poll_cap: The longest sleep, in seconds, between two checks once the
             spin budget is spent under ``"poll"``. Sleeps grow exponentially
             up to it. It bounds wake latency for long work, against the CPU
-            the checks cost. The watcher also polls at this interval where a
-            completion signal cannot be armed.
-        recheck_interval: How often, in seconds, the watcher re-queries parked
-            fences, whatever the signals say. It bounds how long a parked
+            the checks cost. Parked fences whose completion signal cannot be
+            armed are polled at this interval too.
+        recheck_interval: How often, in seconds, parked fences are
+            re-queried, whatever the signals say (by the loop's own timer, or
+            by the fallback watcher thread). It bounds how long a parked
             waiter takes to see a device fault, which sends no signal.
     """
 

@@ -4,21 +4,10 @@ The poller is written once; a small loop driver (:mod:`asyncfence._loops`)
 gives it the loop's primitives. It runs only on its loop's thread; other
 threads reach it only through a mailbox.
 
-Per strategy:
-
-* ``poll``: the fence is checked on every tick: at once while the spin budget
-  lasts, then after sleeps that double up to the poll cap.
-* ``auto``: checked on every tick while the spin budget lasts, then parked.
-* ``park``: parked at once, never polled.
-
-A parked fence costs the loop nothing until it completes. With the native
-shim (the usual case) the loop is the reactor: the device runtime calls the
-shim on its own thread, which writes the loop's mailbox fd, and the loop's own
-selector wakes the poller; no other thread is involved. Only the oldest parked
-fence of an in-order stream needs a signal: the others complete behind it. A
-loop timer re-checks everything parked every ``recheck_interval`` (faults send
-no signal). Without the shim, parked fences go to the fallback watcher thread
-(:mod:`asyncfence._watcher`), which posts settled fences to a thread mailbox.
+What it does per strategy, how parked fences cost the loop nothing until
+their completion signal writes the loop's mailbox fd, and the fallback watcher
+thread (:mod:`asyncfence._watcher`) where the native shim is missing:
+``docs/design.md`` ("Waiting", "The wake path") and ``docs/waiting.md``.
 """
 
 from __future__ import annotations
@@ -337,11 +326,13 @@ class _NativeParking:
     def park(self, fence: Fence) -> None:
         if not self._parked.add(fence):
             return
-        self._arm([fence])
         self._recheck.ensure(self._recheck_delay())
-        # Armed first, checked second: a completion in between is never lost.
-        # Handled on the next loop turn: the waiter may not be suspended yet.
-        if fence._state != PENDING or self._settled_now(fence):
+        # Armed first, checked second (in _arm, for the fence that gets the
+        # signal); swept on the next loop turn: the waiter may not be
+        # suspended yet.
+        self._arm([fence])
+        armed = fence in self._token_of  # then _arm has checked it
+        if not armed and (fence._state != PENDING or self._settled_now(fence)):
             self._driver.call_soon(lambda: self._sweep([fence._queue.key]))
 
     @staticmethod
@@ -357,6 +348,8 @@ class _NativeParking:
         was_head = self._parked.needs_own_signal(fence)
         self._parked.discard(fence)
         self._unsignalled.discard(fence)
+        if self._driver.is_closed():
+            return  # a wait abandoned on a closed loop, being collected: nothing to arm
         if was_head and not self._rearm_scheduled:
             # Batched: when many waits are cancelled at once, one pass arms
             # the new oldest fence of each stream.
@@ -368,7 +361,13 @@ class _NativeParking:
         self._arm(self._parked.heads())
 
     def _arm(self, candidates: Iterable[Fence]) -> None:
-        """Arm a signal for each candidate that needs one and has none."""
+        """Arm a signal for each candidate that needs one and has none.
+
+        Armed first, checked second: a fence that completed meanwhile, or that
+        another thread or loop settled (its marker is gone, so no signal will
+        come), is swept on the next loop turn.
+        """
+        settled: set[Hashable] = set()
         for fence in candidates:
             if (
                 fence in self._token_of
@@ -379,6 +378,10 @@ class _NativeParking:
             if not self._arm_one(fence):
                 self._unsignalled.add(fence)
                 self._recheck.ensure(current_config().poll_cap)
+            if fence._state != PENDING or self._settled_now(fence):
+                settled.add(fence._queue.key)
+        if settled:
+            self._driver.call_soon(functools.partial(self._sweep, settled))
 
     def _arm_one(self, fence: Fence) -> bool:
         """Arm ``fence``'s signal; False if it must be polled instead."""
@@ -394,7 +397,7 @@ class _NativeParking:
             outcome = UNSIGNALLED
         if outcome != ARMED:
             self._mailbox.discard(slot)
-            return outcome == SETTLED  # settled: the post-park check sweeps it
+            return outcome == SETTLED  # settled: the caller's check sweeps it
         self._token_of[fence] = token
         self._fence_of[token] = weakref.ref(fence, functools.partial(self._forget_token, token))
         return True
@@ -413,7 +416,9 @@ class _NativeParking:
                 continue  # its waiters left and it is gone: harmless
             self._token_of.pop(fence, None)
             self.signals += 1
-            if fence in self._parked:
+            # Its queue progressed at least this far: sweep it, even if this
+            # fence's own waits have left (others behind it may be done).
+            if fence in self._parked or self._parked.on_queue_of(fence):
                 keys.add(fence._queue.key)
         if keys:
             self._sweep(keys)
@@ -477,6 +482,13 @@ class _ThreadParking:
         if fence not in self._parked:
             return
         self._parked.discard(fence)
+        if self._driver.is_closed():
+            # A wait abandoned on a closed loop, being collected, perhaps on
+            # the watcher's own thread (by the garbage collector, with the
+            # watcher's lock held): never call into the watcher from here.
+            # It drops a closed loop's fences itself.
+            self._unpark_soon.discard(fence)
+            return
         # Batched, and after the woken tasks have run: off the wake path.
         first = not self._unpark_soon
         self._unpark_soon.add(fence)

@@ -281,6 +281,16 @@ def cuda_stream(cuda_device: CudaDevice) -> Iterator[Any]:
 
 
 @pytest.fixture(autouse=True)
+def settings_restored() -> Iterator[None]:
+    """Put every setting back after each test, whatever the test configured."""
+    from dataclasses import asdict
+
+    previous = asyncfence.configure()
+    yield
+    asyncfence.configure(**asdict(previous))
+
+
+@pytest.fixture(autouse=True)
 def no_asyncfence_errors_logged(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """Fail any test during which the watcher thread logged an error."""
     yield

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
+import time
 from typing import TYPE_CHECKING
 
 import pytest
@@ -12,7 +14,7 @@ import asyncfence
 from asyncfence import _loops
 from asyncfence.testing import StreamGate, hold
 
-from .conftest import until
+from .conftest import HANG_GUARD_S, until
 
 if sys.version_info < (3, 11):
     pass
@@ -36,7 +38,40 @@ def test_a_wait_abandoned_on_a_closed_loop_unparks_when_closed(
     assert driver is not None
     stats = driver.poller.statistics()
     assert (stats.parked, stats.waiters) == (0, 0)
+    # On the fallback, the watcher drops a closed loop's fences itself, at its
+    # next re-check: nothing calls into it from a finalizer.
+    for _ in range(HANG_GUARD_S * 100):
+        if asyncfence.watcher_statistics().parked == 0:
+            break
+        time.sleep(0.01)
     assert asyncfence.watcher_statistics().parked == 0
+
+
+def test_a_closed_loops_wait_collected_on_the_watchers_thread_never_deadlocks(
+    queue: cl.CommandQueue, gate: StreamGate, thread_wake_path: None
+) -> None:
+    # A wait abandoned on a closed loop is finalized when the garbage collector
+    # finds it, on whatever thread allocates then: the watcher's own, with its
+    # lock held, too. Its unpark must not take that lock.
+    from asyncfence import _watcher
+
+    fence = asyncfence.record(queue)
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(fence.wait(strategy="park"))
+    loop.run_until_complete(until(lambda: asyncfence.watcher_statistics().parked == 1))
+    loop.close()
+    watcher = _watcher.current_watcher()
+    finished = threading.Event()
+
+    def finalize_with_the_lock_held() -> None:
+        with watcher._lock:  # as inside the watcher's sweep
+            task.get_coro().close()
+        finished.set()
+
+    thread = threading.Thread(target=finalize_with_the_lock_held, daemon=True)
+    thread.start()
+    assert finished.wait(HANG_GUARD_S), "unparking a closed loop's wait deadlocked"
+    thread.join(HANG_GUARD_S)
 
 
 def test_the_trio_poller_survives_a_run_that_is_shutting_down(

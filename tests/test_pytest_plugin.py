@@ -7,6 +7,8 @@ no emulated driver there, so the default device is PoCL.
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -78,3 +80,22 @@ def test_fence_device_can_be_chosen(pytester: pytest.Pytester) -> None:
     # No NVIDIA driver here: every test that needs the device skips, with the reason.
     result.assert_outcomes(skipped=4)
     result.stdout.fnmatch_lines(["*no CUDA device*"])
+
+
+def test_the_testing_page_example_module_passes(pytester: pytest.Pytester) -> None:
+    # docs/testing.md shows a user's test module; the docs' snippet run only
+    # imports it, so it is run here as pytest would run it.
+    page = (Path(__file__).parent.parent / "docs" / "testing.md").read_text()
+    found = re.search(
+        r"<!-- tests/test_pytest_plugin.py runs this module with pytest -->\n```python\n(.*?)```",
+        page,
+        re.DOTALL,
+    )
+    assert found, "docs/testing.md lost its example test module"
+    pytester.makepyfile(test_from_the_docs=found.group(1))
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    os.environ.setdefault("ASYNCFENCE_CUDA_DRIVER", "none")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "asyncio", "-p", "no:anyio", "-W", "error"
+    )
+    result.assert_outcomes(passed=2)
