@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import math
 import sys
+import textwrap
 
 _DESCRIPTION = "asyncfence's own tools: a demo, the benchmark, and a soak run."
 
@@ -19,12 +20,13 @@ def _bench_description() -> str:
     full = estimate_seconds(BenchConfig(), 6, cuda=False)
     quick = estimate_seconds(BenchConfig.smoke(), 6, cuda=False)
     listed = "\n".join(f"  {s.key:<24} {s.title}" for s in SCENARIOS)
-    return (
+    about = textwrap.fill(
         "Measure every waiting strategy beside the usual baselines, in one process, "
-        f"interleaved.\nA full run takes about {full / 60:.0f} minutes on a 2-core machine, "
-        f"--quick about {quick:.0f} s (each run prints its own estimate as it starts).\n\n"
-        f"Scenarios:\n{listed}"
+        f"interleaved. A full run takes about {full / 60:.0f} minutes on a 2-core machine, "
+        f"--quick about {quick:.0f} s (each run prints its own estimate as it starts).",
+        width=88,
     )
+    return f"{about}\n\nScenarios:\n{listed}"
 
 
 def _positive_minutes(text: str) -> float:
@@ -80,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--plot", metavar="PATH", help="plot the distributions (needs matplotlib: the bench extra)"
     )
-    bench.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    bench.add_argument(
+        "--loop", choices=("asyncio", "uvloop"), default="asyncio", help="the event loop to run on"
+    )
     bench.add_argument("--quiet", action="store_true", help="no progress lines")
     bench.add_argument(
         "--spin-budget", type=_seconds, metavar="SECONDS", help="the spin budget to measure with"
