@@ -152,9 +152,16 @@ AF_API void af_mailbox_close(af_mailbox *mailbox) {
  */
 AF_API size_t af_mailbox_take(af_mailbox *mailbox, uint64_t *tokens, size_t capacity) {
     if (!mailbox->taken) {
+#ifdef __linux__
+        uint64_t count; /* one read resets an eventfd's counter */
+        if (read(mailbox->read_fd, &count, sizeof count) < 0) {
+            /* EAGAIN: nothing written since the last take */
+        }
+#else
         char scratch[64];
         while (read(mailbox->read_fd, scratch, sizeof scratch) > 0) {
         }
+#endif
         mailbox->taken = atomic_exchange(&mailbox->fired, NULL);
     }
     size_t count = 0;

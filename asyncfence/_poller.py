@@ -421,13 +421,28 @@ class _NativeParking:
             if fence in self._parked or self._parked.on_queue_of(fence):
                 keys.add(fence._queue.key)
         if keys:
-            self._sweep(keys)
+            # The woken tasks first: arming the next fences waits for the
+            # next loop turn (armed first, checked second, so nothing is lost).
+            self._parked.sweep(self._poller._parked_settled, keys)
+            self._driver.call_soon(functools.partial(self._arm_heads, keys))
 
     def _sweep(self, keys: Iterable[Hashable] | None) -> None:
-        """Query the parked fences of ``keys`` (every queue if ``None``) and wake the settled."""
-        selected = None if keys is None else set(keys)
-        self._parked.sweep(self._poller._parked_settled, selected)
-        self._arm(self._parked.heads(selected))
+        """Query the parked fences of ``keys`` (every queue if ``None``) and wake the settled.
+
+        The queues where something settled get their new oldest fence armed.
+        """
+        progressed: set[Hashable] = set()
+
+        def settled(fence: Fence, unexpected: Exception | None) -> None:
+            progressed.add(fence._queue.key)
+            self._poller._parked_settled(fence, unexpected)
+
+        self._parked.sweep(settled, None if keys is None else set(keys))
+        if progressed:
+            self._arm_heads(progressed)
+
+    def _arm_heads(self, keys: set[Hashable] | None) -> None:
+        self._arm(self._parked.heads(keys))
 
     def _recheck_delay(self) -> float:
         config = current_config()

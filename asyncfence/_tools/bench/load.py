@@ -103,8 +103,9 @@ async def parked_queues(ctx: Context) -> None:
 
     Per contender, once: the gates and tokens are made first, then the counts
     taken, then the waits started and given time to park, then the counts
-    taken again. ``to_thread`` starts from a fresh default executor, so its
-    thread count is the threads it needed. RSS is the whole process's, and
+    taken again, after one unmeasured warm-up round. ``to_thread`` starts from
+    a fresh default executor, so its thread count is the threads it needed.
+    RSS is the whole process's, and
     the allocator keeps memory an earlier contender freed, which can hide a
     later one's; the Python heap figure (tracemalloc, over the waits alone)
     does not depend on the order, but leaves out native memory.
@@ -112,6 +113,12 @@ async def parked_queues(ctx: Context) -> None:
     target, config = ctx.target, ctx.config
     footprint = ctx.results.footprint
     streams = [target.new_stream() for _ in range(config.parked_queues)]
+    # One unmeasured round first: the allocator's growth, and the first park's
+    # one-off costs, would otherwise count against whichever contender is first.
+    warm_up = _Parked(ctx.entrants[0], streams)
+    warm_up.start()
+    await asyncio.sleep(_SETTLE_S + config.parked_queues * 20e-6)
+    await warm_up.release()
     for contender in ctx.entrants:
         ctx.fresh_default_executor()
         parked = _Parked(contender, streams)
