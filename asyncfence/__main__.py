@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         "--plot", metavar="PATH", help="plot the distributions (needs matplotlib: the bench extra)"
     )
     bench.add_argument(
-        "--loop", choices=("asyncio", "uvloop"), default="asyncio", help="the event loop to run on"
+        "--loop",
+        choices=("asyncio", "uvloop", "trio"),
+        default="asyncio",
+        help="the event loop to run on (uvloop and trio must be installed)",
     )
     bench.add_argument("--quiet", action="store_true", help="no progress lines")
     bench.add_argument(

@@ -50,6 +50,22 @@ LATENCY = [
 ]
 # A run small enough for a test in this process: one trial or two of everything.
 TINY = dataclasses.replace(BenchConfig.smoke(), wake_trials=2, probe_timeout_s=2.0)
+# Smaller still, for running every scenario once more on each loop.
+ON_EACH_LOOP = dataclasses.replace(
+    TINY,
+    fresh_trials=2,
+    many_queues=8,
+    saturated_trials=1,
+    cpu_thread_trials=2,
+    out_of_order_trials=1,
+    parked_queues=20,
+    parked_cpu_window_s=0.02,
+    cpu_work_s=0.02,
+    throughput_window_s=0.05,
+    scale_window_s=0.05,
+    streams=4,
+    drop_objects=1600,
+)
 
 
 def run_quick_bench(
@@ -263,6 +279,41 @@ def test_the_report_keeps_what_was_measured_when_a_later_scenario_fails(
     assert written["samples"]["wake_latency_s"][AUTO]
 
 
+@pytest.mark.parametrize("loop", ["uvloop", "trio"])
+def test_every_scenario_runs_on_uvloop_and_trio(loop: str, tmp_path: Path) -> None:
+    pytest.importorskip(loop)
+    path = tmp_path / "bench.json"
+    report = runner.run_bench(
+        device="opencl", loop=loop, json_path=str(path), config=ON_EACH_LOOP, quiet=True
+    )
+    meta = report["meta"]
+    assert meta["loop"] == loop
+    assert meta["completed"] == meta["scenarios"]
+    assert meta["contenders"] == EVERYONE
+    # to_thread runs on trio's default limiter of 40 threads, on asyncio's default executor.
+    assert meta["default_executor_workers"] == (
+        40 if loop == "trio" else default_executor_workers()
+    )
+    assert meta["wake_path"] in ("native", "thread")
+    check_every_scenario(
+        report["summary"],
+        EVERYONE,
+        thread_pool=meta["default_executor_workers"],
+        parked_queues=ON_EACH_LOOP.parked_queues,
+    )
+    assert json.loads(path.read_text())["meta"]["loop"] == loop
+
+
+def test_an_unknown_loop_is_refused_and_a_missing_one_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ValueError, match="loop must be 'asyncio', 'uvloop' or 'trio', not 'curio'"):
+        runner.run_bench(device="opencl", loop="curio")
+    monkeypatch.setitem(sys.modules, "trio", None)  # import trio fails
+    with pytest.raises(SystemExit, match="--loop trio needs trio: pip install trio"):
+        runner.run_bench(device="opencl", loop="trio")
+
+
 def test_an_unknown_scenario_is_refused() -> None:
     with pytest.raises(ValueError, match="no such scenarios: nope"):
         runner.run_bench(device="opencl", scenarios=["nope"])
@@ -323,7 +374,18 @@ def test_the_demo_succeeds_on_cuda(capsys: pytest.CaptureFixture[str], cuda_mode
 # -- whole quick runs, as CI and the GPU check do them ------------------------------------------
 
 
-def check_every_scenario(summary: dict[str, Any], names: list[str]) -> None:
+def check_every_scenario(
+    summary: dict[str, Any],
+    names: list[str],
+    *,
+    thread_pool: int | None = None,
+    parked_queues: int = BenchConfig.smoke().parked_queues,
+) -> None:
+    """Every figure of a quick run, sane; ``to_thread`` used at most ``thread_pool`` threads.
+
+    asyncio's ``to_thread`` starts from a fresh default executor, so it starts
+    at least one thread; trio's keeps idle threads for a while and may need none.
+    """
     for key in LATENCY:
         parks = (AUTO, PARK, POLL, TO_THREAD)
         expected = [n for n in names if key != "out_of_order_park" or n in parks]
@@ -355,10 +417,12 @@ def check_every_scenario(summary: dict[str, Any], names: list[str]) -> None:
     parked = summary["parked_queues"]
     assert list(parked) == names
     for f in parked.values():
-        assert f["queues"] == BenchConfig.smoke().parked_queues
+        assert f["queues"] == parked_queues
         assert f["python_threads_delta"] >= 0
         assert f["python_heap_mb"] >= 0
-    assert 1 <= parked[TO_THREAD]["python_threads_delta"] <= default_executor_workers()
+    least = 0 if thread_pool is not None else 1
+    most = default_executor_workers() if thread_pool is None else thread_pool
+    assert least <= parked[TO_THREAD]["python_threads_delta"] <= most
     rates = summary["throughput"]
     assert list(rates) == names
     for f in rates.values():

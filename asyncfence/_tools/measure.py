@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import os
 import threading
 import time
 from typing import TYPE_CHECKING
+
+import anyio
+import anyio.lowlevel
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -86,19 +88,17 @@ def hold_gil(seconds: float) -> None:
         pass
 
 
-def _stamp(probe: asyncio.Future[float]) -> None:
-    if not probe.done():
-        probe.set_result(time.perf_counter())
-
-
 async def loop_lag(until: float, interval: float = 0.001) -> list[float]:
-    """Delays of ``call_soon`` probes, one every ``interval`` seconds, until ``until``."""
-    loop = asyncio.get_running_loop()
+    """How long a task that yields waits to run again, once every ``interval`` seconds.
+
+    Each probe is one checkpoint: the task goes to the back of the loop's run
+    queue (as a ``call_soon`` would on asyncio), so the figure is what one
+    turn of the loop costs its tasks. Any loop anyio runs on.
+    """
     lags: list[float] = []
     while time.perf_counter() < until:
-        probe: asyncio.Future[float] = loop.create_future()
         sent = time.perf_counter()
-        loop.call_soon(_stamp, probe)
-        lags.append(await probe - sent)
-        await asyncio.sleep(interval)
+        await anyio.lowlevel.checkpoint()
+        lags.append(time.perf_counter() - sent)
+        await anyio.sleep(interval)
     return lags

@@ -11,8 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, final
 
+import anyio
+import sniffio
+
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Iterable, Sequence
+    from collections.abc import Awaitable, Callable, Iterable, Sequence
 
     from asyncfence.testing import StreamGate
 
@@ -31,8 +34,12 @@ __all__ = [
     "Results",
     "bounded",
     "default_executor_workers",
+    "gather",
     "latency",
+    "on_trio",
     "ordered",
+    "run_in_thread",
+    "thread_pool_size",
 ]
 
 AUTO = "asyncfence auto"
@@ -62,6 +69,50 @@ def ordered(figures: dict[str, _Value]) -> dict[str, _Value]:
 def default_executor_workers() -> int:
     """The size of asyncio's default executor, which ``to_thread`` runs on."""
     return min(32, (os.cpu_count() or 1) + 4)
+
+
+def on_trio() -> bool:
+    """Whether the running loop is trio's (the benchmark runs on asyncio, uvloop and trio)."""
+    return sniffio.current_async_library() == "trio"
+
+
+def thread_pool_size(loop_name: str) -> int:
+    """How many threads ``to_thread`` can use at once on ``loop_name``.
+
+    asyncio's default executor has min(32, cores + 4); trio's
+    ``to_thread.run_sync`` is bounded by its default limiter, 40 tokens.
+    """
+    if loop_name == "trio":
+        return 40  # trio.to_thread.current_default_thread_limiter()'s total_tokens
+    return default_executor_workers()
+
+
+async def run_in_thread(function: Callable[[], object]) -> None:
+    """Run ``function`` in a worker thread, as users of this loop write it.
+
+    ``asyncio.to_thread`` on asyncio and uvloop; on trio, ``trio.to_thread.run_sync``
+    with ``abandon_on_cancel`` so that a timed-out trial does not wait for its
+    thread (asyncio's ``to_thread`` abandons it too).
+    """
+    if on_trio():
+        import trio
+
+        await trio.to_thread.run_sync(function, abandon_on_cancel=True)
+    else:
+        await asyncio.to_thread(function)
+
+
+async def gather(*waits: Awaitable[_Value]) -> list[_Value]:
+    """Await every one of ``waits`` concurrently, in a task group; their results in order."""
+    slots: dict[int, _Value] = {}
+
+    async def store(index: int, wait: Awaitable[_Value]) -> None:
+        slots[index] = await wait
+
+    async with anyio.create_task_group() as group:
+        for index, wait in enumerate(waits):
+            group.start_soon(store, index, wait)
+    return [slots[index] for index in range(len(waits))]
 
 
 @dataclass(frozen=True)
@@ -219,21 +270,16 @@ class Releaser:
         self.close()
 
 
-async def _stamped(wait: Awaitable[None]) -> float:
-    await wait
-    return time.perf_counter()
+async def bounded(wait: Awaitable[None], limit_s: float) -> float:
+    """Await ``wait``; the instant it resumed, or ``math.inf`` if ``limit_s`` passed first.
 
-
-async def bounded(wait: Awaitable[None], timeout: float) -> float:
-    """Await ``wait``; the instant it resumed, or ``math.inf`` if ``timeout`` passed first.
-
-    The instant is taken inside the wait's own task, as it resumes, so the
+    The instant is taken in the waiting task itself, as it resumes, so the
     timeout's machinery adds nothing to it.
     """
-    try:
-        return await asyncio.wait_for(_stamped(wait), timeout)
-    except (asyncio.TimeoutError, TimeoutError):
-        return math.inf
+    with anyio.move_on_after(limit_s):
+        await wait
+        return time.perf_counter()
+    return math.inf
 
 
 def latency(resumed: float, stamps: Sequence[float], index: int = 0) -> float:

@@ -8,11 +8,13 @@ program allocates once a millisecond.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import tracemalloc
 from collections import deque
 from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
 
 from asyncfence import DropQueue, record
 from asyncfence.testing import StreamGate
@@ -55,27 +57,31 @@ class LazyPool:
         return len(self._fifo)
 
 
-async def _allocate_periodically(pool: LazyPool, stop: asyncio.Event) -> None:
-    while not stop.is_set():
+async def _allocate_periodically(pool: LazyPool) -> None:
+    """What a program that allocates once a millisecond does to the pool, until cancelled."""
+    while True:
         pool.allocate()
-        await asyncio.sleep(_ALLOCATION_INTERVAL_S)
+        await anyio.sleep(_ALLOCATION_INTERVAL_S)
 
 
 async def _release_latency(target: Target, config: BenchConfig, lazy: bool) -> list[float]:
     """From the release of a gate to the free of the object behind it."""
     stream = target.new_stream()
-    releaser = Releaser()
     pool = LazyPool(target)
-    stop = asyncio.Event()
-    allocator = asyncio.ensure_future(_allocate_periodically(pool, stop)) if lazy else None
     latencies: list[float] = []
-    try:
-        async with DropQueue() as queue:
+    with Releaser() as releaser:
+        async with anyio.create_task_group() as allocator, DropQueue() as queue:
+            if lazy:
+                allocator.start_soon(_allocate_periodically, pool)
             for _ in range(max(5, config.wake_trials // 4)):
-                freed = asyncio.get_running_loop().create_future()
+                freed = anyio.Event()
+                freed_at: list[float] = []
 
-                def free(_obj: object, freed: asyncio.Future[float] = freed) -> None:
-                    freed.set_result(time.perf_counter())
+                def free(
+                    _obj: object, freed: anyio.Event = freed, at: list[float] = freed_at
+                ) -> None:
+                    at.append(time.perf_counter())
+                    freed.set()
 
                 gate = StreamGate(stream)
                 if lazy:
@@ -83,13 +89,10 @@ async def _release_latency(target: Target, config: BenchConfig, lazy: bool) -> l
                 else:
                     queue.defer(record(stream), object(), free=free)
                 stamp = releaser.release_after(0.001, gate)
-                freed_at = await asyncio.wait_for(freed, 30)
-                latencies.append(freed_at - stamp[0])  # stamped before the release
-    finally:
-        stop.set()
-        if allocator is not None:
-            await allocator
-        releaser.close()
+                with anyio.fail_after(30):
+                    await freed.wait()
+                latencies.append(freed_at[0] - stamp[0])  # stamped before the release
+            allocator.cancel_scope.cancel()
     return latencies
 
 
@@ -98,7 +101,7 @@ async def _until(done: Callable[[], int], target: int) -> float:
     start = last_progress = time.perf_counter()
     seen = done()
     while seen < target and time.perf_counter() - last_progress < 0.5:
-        await asyncio.sleep(0.0005)
+        await anyio.sleep(0.0005)
         if done() != seen:
             seen, last_progress = done(), time.perf_counter()
     return (last_progress if seen < target else time.perf_counter()) - start
@@ -118,7 +121,7 @@ async def _bytes_per_pending_object(target: Target, lazy: bool) -> float:
             else:
                 queue.defer(record(stream), None)
         for _ in range(3):
-            await asyncio.sleep(0)  # the queue takes them in and starts watching
+            await anyio.lowlevel.checkpoint()  # the queue takes them in and starts watching
         used = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         gate.release()
@@ -138,11 +141,11 @@ async def _many_objects(target: Target, config: BenchConfig, lazy: bool) -> dict
         freed += 1
 
     pool = LazyPool(target)
-    stop = asyncio.Event()
-    allocator = asyncio.ensure_future(_allocate_periodically(pool, stop)) if lazy else None
     figures: dict[str, float] = {}
     others = count - count // 16
-    try:
+    async with anyio.create_task_group() as allocator:
+        if lazy:
+            allocator.start_soon(_allocate_periodically, pool)
         async with DropQueue() as queue:
             start = time.perf_counter()
             for index in range(count):
@@ -159,10 +162,7 @@ async def _many_objects(target: Target, config: BenchConfig, lazy: bool) -> dict
             figures["release_others_ms"] = waited * 1e3
             gates[0].release()
             figures["release_rest_ms"] = await _until(lambda: freed, count) * 1e3
-    finally:
-        stop.set()
-        if allocator is not None:
-            await allocator
+        allocator.cancel_scope.cancel()
     return figures
 
 

@@ -12,18 +12,20 @@ untimed: it starts threads and loads the runtime's callback entry points.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.lowlevel
 
 import asyncfence
 from asyncfence.testing import StreamGate
 
 from ..measure import hold_gil
-from .base import TO_THREAD, Releaser, bounded, latency
+from .base import TO_THREAD, Releaser, bounded, gather, latency
 
 if TYPE_CHECKING:
     from .targets import Contender, Context
@@ -65,11 +67,11 @@ async def _one_waiter(
     trials: int,
     fresh_queue: bool = False,
     warm_up: bool = True,
-    timeout: float | None = None,
+    limit_s: float | None = None,
 ) -> None:
     """One waiter per trial, the gate released ``delays`` into the wait by a releaser thread."""
     target, samples = ctx.target, _samples(ctx, key)
-    timeout = ctx.config.trial_timeout_s if timeout is None else timeout
+    limit_s = ctx.config.trial_timeout_s if limit_s is None else limit_s
     rng = random.Random(seed)
     shared = None if fresh_queue else target.new_stream()
     with Releaser() as releaser:
@@ -79,7 +81,7 @@ async def _one_waiter(
                 gate = StreamGate(stream)
                 token = contender.record(stream)
                 stamps = releaser.release_after(rng.uniform(*delays), gate)
-                resumed = await bounded(contender.wait(token), timeout)
+                resumed = await bounded(contender.wait(token), limit_s)
                 if math.isfinite(resumed):
                     contender.done(token)
                 if shared is None:
@@ -127,17 +129,15 @@ async def many_queues(ctx: Context) -> None:
             for contender in rng.sample(ctx.entrants, len(ctx.entrants)):
                 gates = [StreamGate(stream) for stream in streams]
                 tokens = [contender.record(stream) for stream in streams]
-                waits = [
-                    asyncio.ensure_future(bounded(contender.wait(t), config.trial_timeout_s))
-                    for t in tokens
-                ]
                 order = rng.sample(range(len(streams)), len(streams))
                 steps = [
                     (_SATURATED_DELAY_S if turn == 0 else rng.uniform(0, 200e-6), gates[index])
                     for turn, index in enumerate(order)
                 ]
                 stamps = releaser.release_in_turn(steps)
-                resumed = await asyncio.gather(*waits)
+                resumed = await gather(
+                    *(bounded(contender.wait(t), config.trial_timeout_s) for t in tokens)
+                )
                 for index, token in enumerate(tokens):
                     if math.isfinite(resumed[index]):
                         contender.done(token)
@@ -149,7 +149,8 @@ async def many_queues(ctx: Context) -> None:
                     gate.release()  # no-ops, unless a wait timed out before its release
 
 
-def _release_stamped(gate: StreamGate, stamps: list[float]) -> None:
+async def _release_stamped_after(delay: float, gate: StreamGate, stamps: list[float]) -> None:
+    await anyio.sleep(delay)
     stamps.append(time.perf_counter())
     gate.release()
 
@@ -158,47 +159,54 @@ async def saturated_loop(ctx: Context) -> None:
     """One waiter while a ring of tasks keeps the loop always busy with Python.
 
     Each task of the ring runs about 200 µs of Python, then yields with
-    ``sleep(0)``. The gate is released 2 ms in from the loop itself (a
-    ``call_later``): a releaser thread would starve for the GIL like any other
-    second thread. Each trial is bounded by ``saturated_timeout_s``; a
-    contender that times out three times running is not tried again.
+    ``sleep(0)``. The gate is released 2 ms in from the loop itself (a task
+    that sleeps, then releases): a releaser thread would starve for the GIL
+    like any other second thread. Each trial is bounded by
+    ``saturated_timeout_s``; a contender that times out three times running
+    is not tried again.
     """
-    config, target, samples = ctx.config, ctx.target, _samples(ctx, "wake_saturated_loop")
-    loop = asyncio.get_running_loop()
-    rng = random.Random(5)
-    stream = target.new_stream()
+    config = ctx.config
     running = True
 
     async def spin() -> None:
         while running:
             hold_gil(_SATURATED_SLICE_S)
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
 
-    ring = [asyncio.ensure_future(spin()) for _ in range(config.saturated_tasks)]
+    async with anyio.create_task_group() as ring:
+        for _ in range(config.saturated_tasks):
+            ring.start_soon(spin)
+        try:
+            await _saturated_trials(ctx)
+        finally:
+            running = False
+
+
+async def _saturated_trials(ctx: Context) -> None:
+    config, target, samples = ctx.config, ctx.target, _samples(ctx, "wake_saturated_loop")
+    rng = random.Random(5)
+    stream = target.new_stream()
     active = list(ctx.entrants)
     timeouts_running = dict.fromkeys((c.name for c in active), 0)
-    try:
-        for _ in range(config.saturated_trials):
-            for contender in rng.sample(active, len(active)):
-                gate = StreamGate(stream)
-                token = contender.record(stream)
-                stamps: list[float] = []
-                release = loop.call_later(_SATURATED_DELAY_S, _release_stamped, gate, stamps)
+    for _ in range(config.saturated_trials):
+        for contender in rng.sample(active, len(active)):
+            gate = StreamGate(stream)
+            token = contender.record(stream)
+            stamps: list[float] = []
+            async with anyio.create_task_group() as release:
+                release.start_soon(_release_stamped_after, _SATURATED_DELAY_S, gate, stamps)
                 resumed = await bounded(contender.wait(token), config.saturated_timeout_s)
-                release.cancel()
-                gate.release()  # a no-op once released
-                sample = latency(resumed, stamps)
-                samples.setdefault(contender.name, []).append(sample)
-                if math.isfinite(sample):
-                    contender.done(token)
-                    timeouts_running[contender.name] = 0
-                else:
-                    timeouts_running[contender.name] += 1
-                    if timeouts_running[contender.name] >= _GIVE_UP_AFTER:
-                        active.remove(contender)
-    finally:
-        running = False
-        await asyncio.gather(*ring)
+                release.cancel_scope.cancel()
+            gate.release()  # a no-op once released
+            sample = latency(resumed, stamps)
+            samples.setdefault(contender.name, []).append(sample)
+            if math.isfinite(sample):
+                contender.done(token)
+                timeouts_running[contender.name] = 0
+            else:
+                timeouts_running[contender.name] += 1
+                if timeouts_running[contender.name] >= _GIVE_UP_AFTER:
+                    active.remove(contender)
 
 
 async def wake_beside_cpu_thread(ctx: Context) -> None:
@@ -257,23 +265,27 @@ async def out_of_order(ctx: Context) -> None:
                     gate = StreamGate(stream)
                     older = contender.record(stream)
                     newer = contender.record(stream)
-                    timeout = config.trial_timeout_s
-                    newer_wait = asyncio.ensure_future(bounded(contender.wait(newer), timeout))
-                    await asyncio.sleep(settle)
-                    older_wait = asyncio.ensure_future(bounded(contender.wait(older), timeout))
-                    await asyncio.sleep(settle)
-                    stamps = releaser.release_after(0.0, gate)
-                    resumed_older, resumed_newer = await asyncio.gather(older_wait, newer_wait)
-                    tokens: tuple[tuple[Any, float], ...] = (
-                        (older, resumed_older),
-                        (newer, resumed_newer),
-                    )
-                    for token, resumed in tokens:
-                        if math.isfinite(resumed):
+                    tokens = (older, newer)
+                    resumed = [math.inf, math.inf]  # the older's, the newer's
+
+                    async def wait(
+                        index: int,
+                        token: object,
+                        c: Contender = contender,
+                        into: list[float] = resumed,
+                    ) -> None:
+                        into[index] = await bounded(c.wait(token), config.trial_timeout_s)
+
+                    async with anyio.create_task_group() as waits:
+                        waits.start_soon(wait, 1, newer)
+                        await anyio.sleep(settle)
+                        waits.start_soon(wait, 0, older)
+                        await anyio.sleep(settle)
+                        stamps = releaser.release_after(0.0, gate)
+                    for token, instant in zip(tokens, resumed, strict=True):
+                        if math.isfinite(instant):
                             contender.done(token)
                     if trial:
-                        samples.setdefault(contender.name, []).append(
-                            latency(resumed_older, stamps)
-                        )
+                        samples.setdefault(contender.name, []).append(latency(resumed[0], stamps))
     finally:
         asyncfence.configure(recheck_interval=previous.recheck_interval)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import random
 import threading
@@ -10,13 +9,16 @@ import time
 import tracemalloc
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 import asyncfence
 from asyncfence.testing import StreamGate
 
 from ..measure import loop_lag, os_thread_count, percentile, python_threads_cpu, rss_bytes
+from .base import gather
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import AsyncIterator, Iterator
 
     from .targets import Contender, Context
 
@@ -36,25 +38,35 @@ _PARKED_FOR_CPU = 64
 _RELEASE_ALL_TIMEOUT_S = 120.0
 
 
-class _Parked:
-    """One wait per held stream, started; :meth:`release` lets them all finish."""
+async def _wait(contender: Contender, token: Any) -> None:
+    await contender.wait(token)
 
-    def __init__(self, contender: Contender, streams: list[Any]) -> None:
-        self._contender = contender
-        self._gates = [StreamGate(stream) for stream in streams]
-        self._tokens = [contender.record(stream) for stream in streams]
-        self._waits: list[asyncio.Future[None]] = []
 
-    def start(self) -> None:
-        self._waits = [asyncio.ensure_future(self._contender.wait(token)) for token in self._tokens]
+@contextlib.asynccontextmanager
+async def _parked(
+    contender: Contender, streams: list[Any], count: int | None = None
+) -> AsyncIterator[None]:
+    """``count`` waits (default: one per stream) on held streams, in turn, for the block.
 
-    async def release(self) -> None:
-        """Release every gate; wait for every wait (bounded: a stuck one fails the scenario)."""
-        for gate in self._gates:
-            gate.release()
-        await asyncio.wait_for(asyncio.gather(*self._waits), _RELEASE_ALL_TIMEOUT_S)
-        for token in self._tokens:
-            self._contender.done(token)
+    Leaving the block releases every gate and waits for every wait, bounded:
+    a stuck one fails the scenario with TimeoutError.
+    """
+    gates = [StreamGate(stream) for stream in streams]
+    count = len(streams) if count is None else count
+    tokens = [contender.record(streams[i % len(streams)]) for i in range(count)]
+    async with anyio.create_task_group() as waits:
+        for token in tokens:
+            waits.start_soon(_wait, contender, token)
+        try:
+            yield
+        finally:
+            for gate in gates:
+                gate.release()
+            waits.cancel_scope.deadline = anyio.current_time() + _RELEASE_ALL_TIMEOUT_S
+    if waits.cancel_scope.cancelled_caught:
+        raise TimeoutError(f"{contender.name}: parked waits still running after release")
+    for token in tokens:
+        contender.done(token)
 
 
 async def cpu_while_waiting(ctx: Context) -> None:
@@ -83,14 +95,12 @@ async def cpu_while_parked(ctx: Context) -> None:
     rng = random.Random(9)
     for _ in range(config.parked_cpu_trials):
         for contender in rng.sample(ctx.entrants, len(ctx.entrants)):
-            parked = _Parked(contender, streams)
-            parked.start()
-            await asyncio.sleep(_SETTLE_S)
-            cpu, wall = python_threads_cpu(), time.perf_counter()
-            await asyncio.sleep(config.parked_cpu_window_s)
-            wall = time.perf_counter() - wall
-            cpu = python_threads_cpu() - cpu
-            await parked.release()
+            async with _parked(contender, streams):
+                await anyio.sleep(_SETTLE_S)
+                cpu, wall = python_threads_cpu(), time.perf_counter()
+                await anyio.sleep(config.parked_cpu_window_s)
+                wall = time.perf_counter() - wall
+                cpu = python_threads_cpu() - cpu
             samples.setdefault(contender.name, []).append(cpu / wall)
 
 
@@ -115,32 +125,32 @@ async def parked_queues(ctx: Context) -> None:
     streams = [target.new_stream() for _ in range(config.parked_queues)]
     # One unmeasured round first: the allocator's growth, and the first park's
     # one-off costs, would otherwise count against whichever contender is first.
-    warm_up = _Parked(ctx.entrants[0], streams)
-    warm_up.start()
-    await asyncio.sleep(_SETTLE_S + config.parked_queues * 20e-6)
-    await warm_up.release()
+    settle = _SETTLE_S + config.parked_queues * 20e-6
+    async with _parked(ctx.entrants[0], streams):
+        await anyio.sleep(settle)
     for contender in ctx.entrants:
         ctx.fresh_default_executor()
-        parked = _Parked(contender, streams)
         threads, os_threads, rss = threading.active_count(), os_thread_count(), rss_bytes()
         tracemalloc.start()
         try:
-            parked.start()
-            await asyncio.sleep(_SETTLE_S + config.parked_queues * 20e-6)
-            traced = tracemalloc.get_traced_memory()[0]
+            async with _parked(contender, streams):
+                await anyio.sleep(settle)
+                traced = tracemalloc.get_traced_memory()[0]
+                tracemalloc.stop()
+                os_after = os_thread_count()
+                footprint[contender.name] = {
+                    "queues": float(config.parked_queues),
+                    "python_threads_delta": float(threading.active_count() - threads),
+                    "os_threads_delta": (
+                        None
+                        if os_after is None or os_threads is None
+                        else float(os_after - os_threads)
+                    ),
+                    "rss_delta_mb": _megabytes(rss_bytes(), rss),
+                    "python_heap_mb": traced / 1e6,
+                }
         finally:
-            tracemalloc.stop()
-        os_after = os_thread_count()
-        footprint[contender.name] = {
-            "queues": float(config.parked_queues),
-            "python_threads_delta": float(threading.active_count() - threads),
-            "os_threads_delta": (
-                None if os_after is None or os_threads is None else float(os_after - os_threads)
-            ),
-            "rss_delta_mb": _megabytes(rss_bytes(), rss),
-            "python_heap_mb": traced / 1e6,
-        }
-        await parked.release()
+            tracemalloc.stop()  # a no-op once stopped
 
 
 async def throughput(ctx: Context) -> None:
@@ -170,7 +180,7 @@ async def throughput(ctx: Context) -> None:
                         counts[index] += 1
 
                 start = time.perf_counter()
-                await asyncio.gather(*(loop(i) for i in range(tasks)))
+                await gather(*(loop(i) for i in range(tasks)))
                 rate = sum(counts) / (time.perf_counter() - start)
                 rates.setdefault(contender.name, {}).setdefault(tasks, []).append(rate)
 
@@ -193,18 +203,11 @@ async def scale(ctx: Context) -> None:
     streams = [target.new_stream() for _ in range(config.streams)]
     for size in config.scale_sizes:
         for contender in ctx.entrants:
-            gates = [StreamGate(stream) for stream in streams]
-            tokens = [contender.record(streams[i % len(streams)]) for i in range(size)]
-            waiters = [asyncio.ensure_future(contender.wait(token)) for token in tokens]
-            await asyncio.sleep(0.01)  # every waiter is parked in its wait
             ticks: dict[str, float] = {}
-            with _timed_ticks(ticks) if contender.is_asyncfence else contextlib.nullcontext():
-                lags = await loop_lag(time.perf_counter() + config.scale_window_s)
-            for gate in gates:
-                gate.release()
-            await asyncio.wait_for(asyncio.gather(*waiters), timeout=_RELEASE_ALL_TIMEOUT_S)
-            for token in tokens:
-                contender.done(token)
+            async with _parked(contender, streams, size):
+                await anyio.sleep(0.01)  # every waiter is parked in its wait
+                with _timed_ticks(ticks) if contender.is_asyncfence else contextlib.nullcontext():
+                    lags = await loop_lag(time.perf_counter() + config.scale_window_s)
             figures = {"lag_p99_s": percentile(lags, 0.99), "lag_p50_s": percentile(lags, 0.5)}
             figures.update(ticks)
             ctx.results.scale.setdefault(contender.name, {})[size] = figures

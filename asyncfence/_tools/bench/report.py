@@ -29,8 +29,8 @@ from .base import (
     TO_THREAD,
     BenchConfig,
     Results,
-    default_executor_workers,
     ordered,
+    thread_pool_size,
 )
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ def describe(device: Device, config: BenchConfig, loop_name: str) -> dict[str, A
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
-        "default_executor_workers": default_executor_workers(),
+        "default_executor_workers": thread_pool_size(loop_name),
         "loop": loop_name,
         "quick": config.quick,
         "spin_budget_s": asyncfence.configure().spin_budget,
@@ -410,12 +410,17 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
     return result
 
 
+# Where ``to_thread`` runs, per loop (``meta.default_executor_workers`` is its size).
+_POOL_NAMES = {"trio": "default thread limiter"}
+
+
 def _heading(meta: dict[str, Any]) -> list[str]:
     lines = [
         f"asyncfence bench on {meta['backend']}: {meta['device']} | "
         f"{plural(meta['cpu_count'] or 0, 'core')} | Python {meta['python']} | {meta['loop']} | "
         f"asyncfence {meta['asyncfence']}" + (" | quick" if meta["quick"] else ""),
-        f"to_thread's default executor: {plural(meta['default_executor_workers'], 'thread')}"
+        f"to_thread's {_POOL_NAMES.get(meta['loop'], 'default executor')}: "
+        f"{plural(meta['default_executor_workers'], 'thread')}"
         + (f" | wake path: {meta['wake_path']}" if meta.get("wake_path") else "")
         + (f" | CUDA signal: {meta['cuda_signal']}" if meta.get("cuda_signal") else ""),
     ]

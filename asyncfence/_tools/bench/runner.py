@@ -7,11 +7,13 @@ stopped early says so in ``meta.incomplete``.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import anyio
 
 import asyncfence
 from asyncfence.testing import open_default_device
@@ -237,6 +239,21 @@ async def _run(
         target.close()
 
 
+def _loop_backend(loop: str) -> tuple[str, dict[str, Any]]:
+    """The anyio backend and options for ``loop``; SystemExit if it is not installed."""
+    if loop not in ("asyncio", "uvloop", "trio"):
+        raise ValueError(f"loop must be 'asyncio', 'uvloop' or 'trio', not {loop!r}")
+    if loop == "asyncio":
+        return "asyncio", {}
+    try:
+        __import__(loop)
+    except ImportError:
+        raise SystemExit(f"bench --loop {loop} needs {loop}: pip install {loop}") from None
+    if loop == "uvloop":
+        return "asyncio", {"use_uvloop": True}
+    return "trio", {}
+
+
 def run_bench(
     *,
     device: str | None = None,
@@ -255,7 +272,7 @@ def run_bench(
         quick: The smoke run: every scenario, tiny counts.
         json_path: Where to write the report; rewritten after every scenario.
         plot_path: Where to draw the plot (needs matplotlib, checked first).
-        loop: ``"asyncio"`` or ``"uvloop"``.
+        loop: ``"asyncio"``, ``"uvloop"`` or ``"trio"``.
         quiet: No progress lines.
         config: Settings to run with instead of those ``quick`` picks.
         scenarios: Keys of the scenarios to run (default: all), in run order.
@@ -264,11 +281,14 @@ def run_bench(
         The report: ``{"meta": ..., "summary": ..., "samples": ...}``.
 
     Raises:
-        SystemExit: ``plot_path`` is given and matplotlib is missing.
-        ValueError: ``scenarios`` names one that does not exist.
+        SystemExit: ``plot_path`` is given and matplotlib is missing, or
+            ``loop`` is not installed.
+        ValueError: ``scenarios`` names one that does not exist, or ``loop``
+            is not one of the three.
     """
     if plot_path:
         require_matplotlib()
+    backend, backend_options = _loop_backend(loop)
     known = {s.key: s for s in SCENARIOS}
     unknown = [key for key in scenarios or () if key not in known]
     if unknown:
@@ -277,14 +297,9 @@ def run_bench(
     config = config or (BenchConfig.smoke() if quick else BenchConfig())
     opened = open_default_device(device)
     results = Results(describe(opened, config, loop))
-    main = _run(opened, config, results, plan, json_path, quiet)
+    main = functools.partial(_run, opened, config, results, plan, json_path, quiet)
     try:
-        if loop == "uvloop":
-            import uvloop
-
-            uvloop.run(main)
-        else:
-            asyncio.run(main)
+        anyio.run(main, backend=backend, backend_options=backend_options)
     except BaseException:
         render(results.meta, build_report(results)["summary"])  # what was measured
         raise

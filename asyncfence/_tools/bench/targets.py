@@ -10,10 +10,13 @@ reason, instead of crashing the run.
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
 
 import asyncfence
 
@@ -27,7 +30,10 @@ from .base import (
     TO_THREAD,
     BenchConfig,
     Results,
+    bounded,
     default_executor_workers,
+    on_trio,
+    run_in_thread,
 )
 
 if TYPE_CHECKING:
@@ -124,16 +130,16 @@ def contenders(target: Target) -> list[Contender]:
         return fence_wait
 
     async def to_thread(event: Any) -> None:
-        await asyncio.to_thread(target.raw_block, event)
+        await run_in_thread(lambda: target.raw_block(event))
 
     # The loops users write by hand; the very thing the linter warns about.
     async def sleep_loop(event: Any) -> None:
         while not target.raw_query(event):  # noqa: ASYNC110
-            await asyncio.sleep(0.001)
+            await anyio.sleep(0.001)
 
     async def busy_loop(event: Any) -> None:
         while not target.raw_query(event):  # noqa: ASYNC110
-            await asyncio.sleep(0)
+            await anyio.sleep(0)  # noqa: ASYNC115 (what users write)
 
     strategies: tuple[tuple[str, Literal["auto", "park", "poll"]], ...] = (
         (AUTO, "auto"),
@@ -156,7 +162,7 @@ def contenders(target: Target) -> list[Contender]:
 
 
 def _numba_contender(target: Target) -> Contender | None:
-    if target.device.backend != "cuda":
+    if target.device.backend != "cuda" or on_trio():  # async_done is asyncio's
         return None
     try:
         from numba import cuda as numba_cuda
@@ -170,7 +176,7 @@ def _numba_contender(target: Target) -> Contender | None:
 
 
 async def probe_contenders(
-    target: Target, entrants: list[Contender], timeout: float, *, quiet: bool = False
+    target: Target, entrants: list[Contender], limit_s: float, *, quiet: bool = False
 ) -> tuple[list[Contender], dict[str, str]]:
     """Record and await one trivial token per contender; leave out those that fail.
 
@@ -186,15 +192,15 @@ async def probe_contenders(
     for contender in entrants:
         try:
             token = contender.record(stream)
-            await asyncio.wait_for(contender.wait(token), timeout)
-        except (asyncio.TimeoutError, TimeoutError):
-            left_out[contender.name] = f"its probe did not finish within {timeout:g} s"
+            resumed = await bounded(contender.wait(token), limit_s)
         except Exception as error:
             left_out[contender.name] = f"{type(error).__name__}: {error}"
         else:
-            contender.done(token)
-            admitted.append(contender)
-            continue
+            if math.isfinite(resumed):
+                contender.done(token)
+                admitted.append(contender)
+                continue
+            left_out[contender.name] = f"its probe did not finish within {limit_s:g} s"
         if not quiet:
             print(f"left out {contender.name}: {left_out[contender.name]}", file=sys.stderr)
     return admitted, left_out
@@ -218,11 +224,14 @@ class Context:
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     def fresh_default_executor(self) -> None:
-        """Give the running loop a new default executor, of the default size.
+        """Give the running asyncio loop a new default executor, of the default size.
 
         ``to_thread`` starts its threads again from none: the thread count a
-        scenario then sees is the threads it needed.
+        scenario then sees is the threads it needed. Trio has no executor to
+        replace: its idle worker threads are kept for 10 s and then exit.
         """
+        if on_trio():
+            return
         old = self._executor
         self._executor = ThreadPoolExecutor(
             max_workers=default_executor_workers(), thread_name_prefix="asyncio"
