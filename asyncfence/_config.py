@@ -45,8 +45,12 @@ class Config:
             armed are polled at this interval too.
         recheck_interval: How often, in seconds, parked fences are
             re-queried, whatever the signals say (by the loop's own timer, or
-            by the fallback watcher thread). It bounds how long a parked
-            waiter takes to see a device fault, which sends no signal.
+            by the fallback watcher thread). It is a safety net for a device
+            fault, which sends no signal. On the native wake path, while
+            re-checks find nothing settled and no new wait parks, the
+            interval doubles, up to 8 times this (0.4 s by default): a
+            parked waiter sees a fault within ``recheck_interval`` of
+            parking, and within 8 times it however long it has waited.
     """
 
     strategy: Strategy = "auto"

@@ -44,6 +44,10 @@ _FIRST_SLEEP_S = 50e-6
 _PARK_BATCH = 128
 # Fired signals taken from the native mailbox per call into the shim.
 _TAKE_BATCH = 256
+# While re-checks find nothing new, their interval doubles up to this many
+# times recheck_interval: with every fence signalled they are only a safety
+# net, and each costs a device query per parked queue.
+RECHECK_BACKOFF_LIMIT = 8
 
 WakePath = Literal["native", "thread"]
 
@@ -310,6 +314,7 @@ class _NativeParking:
         self._tokens = itertools.count(1)
         self._rearm_scheduled = False
         self._recheck = driver.chain(self._recheck_step)
+        self._recheck_backoff = 1  # times recheck_interval; see RECHECK_BACKOFF_LIMIT
         self.signals = 0
         self.rechecks = 0
         if not driver.watch_readable(self._mailbox.fileno(), self._on_readable):
@@ -326,6 +331,7 @@ class _NativeParking:
     def park(self, fence: Fence) -> None:
         if not self._parked.add(fence):
             return
+        self._recheck_backoff = 1  # a new wait gets the prompt re-check
         self._recheck.ensure(self._recheck_delay())
         # Armed first, checked second (in _arm, for the fence that gets the
         # signal); swept on the next loop turn: the waiter may not be
@@ -446,13 +452,20 @@ class _NativeParking:
 
     def _recheck_delay(self) -> float:
         config = current_config()
-        return config.poll_cap if self._unsignalled else config.recheck_interval
+        if self._unsignalled:
+            return config.poll_cap
+        return config.recheck_interval * self._recheck_backoff
 
     def _recheck_step(self) -> float | None:
         if not self._parked:
             return None
         self.rechecks += 1
+        parked = len(self._parked)
         self._sweep(None)
+        if len(self._parked) < parked:  # something settled: back to the prompt re-check
+            self._recheck_backoff = 1
+        else:
+            self._recheck_backoff = min(2 * self._recheck_backoff, RECHECK_BACKOFF_LIMIT)
         return self._recheck_delay() if self._parked else None
 
 

@@ -22,6 +22,7 @@ import pytest
 
 import asyncfence
 from asyncfence import DeviceError, _poller, _watcher
+from asyncfence._loops import current_poller
 from asyncfence.testing import hold
 
 from .conftest import let_loop_run, poller_ticks, until
@@ -449,6 +450,37 @@ async def test_many_parked_waiters_on_many_streams(device: OpenCLDevice) -> None
             for gate in reversed(gates):
                 gate.release()
     assert all(fence.done() for fence in fences)
+
+
+@pytest.mark.usefixtures("only_signals_wake")
+async def test_rechecks_back_off_while_nothing_settles_and_start_over_when_it_does(
+    device: OpenCLDevice, wake_path: str
+) -> None:
+    if wake_path != "native":
+        pytest.skip("the fallback watcher thread re-checks on its own schedule")
+    interval = asyncfence.configure().recheck_interval
+    first_queue, second_queue = device.new_stream(), device.new_stream()
+    with hold(first_queue) as first_gate, hold(second_queue):
+        first, second = asyncfence.record(first_queue), asyncfence.record(second_queue)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(first.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 1)
+            parking = current_poller()._parking
+            assert isinstance(parking, _poller._NativeParking)
+            # The steps are called directly: what each returns is the next delay.
+            delays = [parking._recheck_step() for _ in range(5)]
+            assert delays == [2 * interval, 4 * interval, 8 * interval, 8 * interval, 8 * interval]
+            tg.start_soon(partial(second.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 2)
+            assert parking._recheck_delay() == interval  # a new wait: the prompt re-check
+            assert parking._recheck_step() == 2 * interval
+            first_gate.release()
+            first.wait_sync()  # on the loop's thread: its signal cannot be taken meanwhile
+            rechecks = asyncfence.current_statistics().rechecks
+            assert parking._recheck_step() == interval  # it found the first settled
+            assert asyncfence.current_statistics().rechecks == rechecks + 1
+            tg.cancel_scope.cancel()
+    assert first.done()
 
 
 @pytest.mark.usefixtures("quick_recheck")

@@ -113,12 +113,13 @@ async def parked_queues(ctx: Context) -> None:
 
     Per contender, once: the gates and tokens are made first, then the counts
     taken, then the waits started and given time to park, then the counts
-    taken again, after one unmeasured warm-up round. ``to_thread`` starts from
-    a fresh default executor, so its thread count is the threads it needed.
-    RSS is the whole process's, and
-    the allocator keeps memory an earlier contender freed, which can hide a
-    later one's; the Python heap figure (tracemalloc, over the waits alone)
-    does not depend on the order, but leaves out native memory.
+    taken again, after one unmeasured warm-up round (under tracemalloc too,
+    whose tables grow on first use). ``to_thread`` starts from a fresh
+    default executor, so its thread count is the threads it needed. RSS is
+    the whole process's, and the allocator keeps memory an earlier contender
+    freed, which can hide a later one's; the Python heap figure (tracemalloc,
+    over the waits alone) does not depend on the order, but leaves out
+    native memory.
     """
     target, config = ctx.target, ctx.config
     footprint = ctx.results.footprint
@@ -126,8 +127,14 @@ async def parked_queues(ctx: Context) -> None:
     # One unmeasured round first: the allocator's growth, and the first park's
     # one-off costs, would otherwise count against whichever contender is first.
     settle = _SETTLE_S + config.parked_queues * 20e-6
-    async with _parked(ctx.entrants[0], streams):
-        await anyio.sleep(settle)
+    # Under tracemalloc, like the measured rounds: its own tables grow on
+    # first use and would otherwise count in the first contender's RSS.
+    tracemalloc.start()
+    try:
+        async with _parked(ctx.entrants[0], streams):
+            await anyio.sleep(settle)
+    finally:
+        tracemalloc.stop()
     for contender in ctx.entrants:
         ctx.fresh_default_executor()
         threads, os_threads, rss = threading.active_count(), os_thread_count(), rss_bytes()
