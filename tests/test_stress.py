@@ -105,6 +105,7 @@ async def test_memory_stays_flat_over_many_fences(device: OpenCLDevice) -> None:
     assert end - warm < 512 * 1024, f"grew {end - warm} bytes over {MEMORY_FENCES} fences"
 
 
+@pytest.mark.timeout(600 if FULL else 120)  # the long form soaks for 3 minutes
 def test_the_soak_command_reports_flat() -> None:
     import subprocess
     import sys

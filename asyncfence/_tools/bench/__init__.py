@@ -39,7 +39,7 @@ Scenarios (the report's summary keys):
 * ``throughput``: record-and-await round trips per second on short work, with
   1 task and with 64 (one stream each).
 * ``scale``: 10, 1,000 and 10,000 pending fences over 64 held streams: the
-  loop's lag (the delay of a ``call_soon`` probe, p99) and, for asyncfence,
+  loop's lag (the wait of a task that yields once, p99) and, for asyncfence,
   the poller's cost per tick.
 * ``drop_queue``: the cost of a ``defer``, memory per pending object, release
   latency after completion, and releases while one of 16 streams is stuck,

@@ -8,6 +8,7 @@ program allocates once a millisecond.
 
 from __future__ import annotations
 
+import random
 import time
 import tracemalloc
 from collections import deque
@@ -34,6 +35,9 @@ DROP_QUEUE = "asyncfence DropQueue"
 LAZY_POOL = "lazy pool (free at next alloc)"
 
 _ALLOCATION_INTERVAL_S = 0.001
+# A gate is released this long after its object is deferred: a random phase
+# against the lazy pool's allocations (a fixed delay would lock onto them).
+_RELEASE_DELAYS_S = (0.0005, 0.003)
 
 
 class LazyPool:
@@ -68,6 +72,7 @@ async def _release_latency(target: Target, config: BenchConfig, lazy: bool) -> l
     """From the release of a gate to the free of the object behind it."""
     stream = target.new_stream()
     pool = LazyPool(target)
+    rng = random.Random(11)
     latencies: list[float] = []
     with Releaser() as releaser:
         async with anyio.create_task_group() as allocator, DropQueue() as queue:
@@ -88,7 +93,7 @@ async def _release_latency(target: Target, config: BenchConfig, lazy: bool) -> l
                     pool.defer(stream, object(), free)
                 else:
                     queue.defer(record(stream), object(), free=free)
-                stamp = releaser.release_after(0.001, gate)
+                stamp = releaser.release_after(rng.uniform(*_RELEASE_DELAYS_S), gate)
                 with anyio.fail_after(30):
                     await freed.wait()
                 latencies.append(freed_at[0] - stamp[0])  # stamped before the release
