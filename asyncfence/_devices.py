@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["CHUNK_BYTES", "Device", "open_default_device"]
+__all__ = ["CHUNK_BYTES", "Device"]
 
 #: The size of one piece of busy work.
 CHUNK_BYTES = 1 << 20
@@ -73,16 +73,14 @@ class Device:
     def chunks_for(self, seconds: float) -> int:
         """How many 1 MiB pieces of work take about ``seconds`` (calibrated once)."""
         if not self._chunks_per_second:
-            from ._fence import record
-
             stream = self.new_stream()
             self.launch_chunks(stream, 4)  # first touch
-            record(stream).wait_sync()
+            self._finish(stream)
             chunks = 4
             while True:
                 start = time.perf_counter()
                 self.launch_chunks(stream, chunks)
-                record(stream).wait_sync()
+                self._finish(stream)
                 elapsed = time.perf_counter() - start
                 if elapsed > 0.02:
                     break
@@ -90,36 +88,14 @@ class Device:
             self._chunks_per_second = chunks / elapsed
         return max(1, round(self._chunks_per_second * seconds))
 
+    def _finish(self, stream: Any) -> None:
+        """Block until the work queued on ``stream`` so far is done (raw events: no fences)."""
+        event = self.raw_record(stream)
+        try:
+            self.raw_block(event)
+        finally:
+            self.raw_done(event)
+
     def launch_busy(self, stream: Any, seconds: float) -> None:
         """Queue work that keeps ``stream`` busy for about ``seconds``."""
         self.launch_chunks(stream, self.chunks_for(seconds))
-
-
-def open_default_device(backend: str | None = None) -> Device:
-    """Open the default device, or the first device of ``backend``.
-
-    The default is the first backend, in ``default_rank`` order, that has a
-    device: CUDA device 0 where an NVIDIA driver and GPU are present, and
-    otherwise OpenCL, preferring a GPU, else the first device (PoCL's CPU
-    device where nothing else is installed).
-
-    Args:
-        backend: A registered backend's name (``"cuda"``, ``"opencl"``), or
-            ``None`` for the default.
-
-    Raises:
-        ValueError: ``backend`` is not a registered backend's name.
-        RuntimeError: No device of that kind (or none at all); the message
-            says what to install.
-    """
-    from ._backend import backend_named, backend_names
-
-    if backend is not None:
-        return backend_named(backend).lab().open_device()
-    reasons = []
-    for name in backend_names():
-        try:
-            return backend_named(name).lab().open_device()
-        except RuntimeError as unavailable:
-            reasons.append(str(unavailable))
-    raise RuntimeError("; ".join(reasons) or "no device backend is registered")

@@ -1,4 +1,4 @@
-"""Holding a stream from the host, so tests decide when device work completes."""
+"""Holding a stream from the host, so tests decide when device work completes; the default device."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import weakref
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, final
 
-from ._backend import backend_for
+from ._backend import backend_for, backend_named, backend_names
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["StreamGate", "hold"]
+    from ._devices import Device
+
+__all__ = ["StreamGate", "hold", "open_default_device"]
 
 _gates: weakref.WeakSet[StreamGate] = weakref.WeakSet()
 
@@ -117,3 +119,31 @@ def hold(stream: object) -> Iterator[StreamGate]:
         yield gate
     finally:
         gate.release()
+
+
+def open_default_device(backend: str | None = None) -> Device:
+    """Open the default device, or the first device of ``backend``.
+
+    The default is the first backend, in ``default_rank`` order, that has a
+    device: CUDA device 0 where an NVIDIA driver and GPU are present, and
+    otherwise OpenCL, preferring a GPU, else the first device (PoCL's CPU
+    device where nothing else is installed).
+
+    Args:
+        backend: A registered backend's name (``"cuda"``, ``"opencl"``), or
+            ``None`` for the default.
+
+    Raises:
+        ValueError: ``backend`` is not a registered backend's name.
+        RuntimeError: No device of that kind (or none at all); the message
+            says what to install.
+    """
+    if backend is not None:
+        return backend_named(backend).lab().open_device()
+    reasons = []
+    for name in backend_names():
+        try:
+            return backend_named(name).lab().open_device()
+        except RuntimeError as unavailable:
+            reasons.append(str(unavailable))
+    raise RuntimeError("; ".join(reasons) or "no device backend is registered")

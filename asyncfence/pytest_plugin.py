@@ -28,11 +28,12 @@ import pytest
 
 from . import _backends  # noqa: F401  (registers the device backends)
 from ._backend import backend_named, backend_names
-from ._devices import Device, open_default_device
-from ._testing import StreamGate, hold
+from ._testing import StreamGate, hold, open_default_device
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+    from ._devices import Device
 
 __all__ = ("fence_device", "fence_stream", "held_stream")
 

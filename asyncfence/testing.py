@@ -10,9 +10,9 @@
 from ._backends.cuda._lab import CudaDevice as CudaDevice
 from ._backends.opencl._lab import OpenCLDevice as OpenCLDevice
 from ._devices import Device as Device
-from ._devices import open_default_device as open_default_device
 from ._testing import StreamGate as StreamGate
 from ._testing import hold as hold
+from ._testing import open_default_device as open_default_device
 
 __all__ = ("CudaDevice", "Device", "OpenCLDevice", "StreamGate", "hold", "open_default_device")
 
