@@ -1,4 +1,4 @@
-"""Holding a stream from the host, so tests decide when device work completes; the default device."""
+"""Holding a stream from the host, so tests decide when work completes; the default device."""
 
 from __future__ import annotations
 
