@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ._fence import Fence
     from ._poller import Waiter
 
-__all__ = ["current_poller", "current_statistics", "wait_for_fence"]
+__all__ = ["current_poller", "current_statistics", "in_trio", "wait_for_fence"]
 
 _logger = logging.getLogger("asyncfence.loops")
 
@@ -103,13 +103,14 @@ def _settled_outcome(fence: Fence, seconds: float) -> None:
     raise TimeoutError(f"{fence!r} did not complete within {seconds} s")
 
 
-def _in_trio() -> bool:
+def in_trio() -> bool:
+    """Whether this runs in a trio task (trio is never imported to find out)."""
     trio = sys.modules.get("trio")
     return trio is not None and trio.lowlevel.in_trio_task()
 
 
 def _current_suspender() -> _Suspender:
-    if _in_trio():
+    if in_trio():
         return _trio_suspender()
     return _asyncio_suspender(_running_asyncio_loop())
 
@@ -129,7 +130,7 @@ def current_statistics() -> PollerStatistics:
     Raises:
         RuntimeError: Called outside an asyncio or trio event loop.
     """
-    if _in_trio():
+    if in_trio():
         poller: Poller | None = _trio_poller(create=False)
     else:
         suspender = _existing_asyncio_suspender(_running_asyncio_loop())

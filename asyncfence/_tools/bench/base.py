@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, final
 
 import anyio
-import sniffio
+
+from ..._loops import in_trio
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -73,7 +74,7 @@ def default_executor_workers() -> int:
 
 def on_trio() -> bool:
     """Whether the running loop is trio's (the benchmark runs on asyncio, uvloop and trio)."""
-    return sniffio.current_async_library() == "trio"
+    return in_trio()  # anyio no longer brings sniffio: asyncfence's own check
 
 
 def thread_pool_size(loop_name: str) -> int:
