@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import asyncfence
@@ -26,3 +27,37 @@ def test_private_modules_stay_private() -> None:
 
 def test_the_package_is_typed() -> None:
     assert (Path(asyncfence.__file__).parent / "py.typed").exists()
+
+
+# Installed by the dev extra but not by `pip install asyncfence[opencl]`
+# (sniffio came with anyio once, and no longer does).
+NOT_A_RUNTIME_DEPENDENCY = (
+    "sniffio",
+    "trio",
+    "uvloop",
+    "rich",
+    "matplotlib",
+    "pytest",
+    "hypothesis",
+    "numba",
+    "torch",
+    "cupy",
+)
+
+
+def test_the_command_line_runs_with_only_the_runtime_dependencies() -> None:
+    import subprocess
+    import sys
+
+    blocker = "; ".join(f"sys.modules[{name!r}] = None" for name in NOT_A_RUNTIME_DEPENDENCY)
+    program = f"import runpy, sys; {blocker}; runpy.run_module('asyncfence', run_name='__main__')"
+    for args in (["--version"], ["bench", "--help"], ["demo"]):
+        result = subprocess.run(
+            [sys.executable, "-c", program, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+        )
+        assert result.returncode == 0, (args, result.stderr[-2000:])
+    assert "parked waits wake through" in result.stdout  # the demo ran to its end
