@@ -28,11 +28,11 @@ from asyncfence.testing import hold
 from .conftest import let_loop_run, poller_ticks, until
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import AsyncIterator, Iterator
 
     import pyopencl as cl
 
-    from asyncfence.testing import CudaDevice, OpenCLDevice
+    from asyncfence.testing import CudaDevice, OpenCLDevice, StreamGate
 
     from .cuda_emulator import Emulator
 
@@ -438,17 +438,30 @@ async def test_auto_sees_work_done_within_the_spin_budget(queue: Any) -> None:
     assert asyncfence.current_statistics().parked == 0
 
 
-async def test_many_parked_waiters_on_many_streams(device: OpenCLDevice) -> None:
-    queues = [device.new_stream() for _ in range(8)]
+@contextlib.asynccontextmanager
+async def parked_on_held(
+    queues: list[Any], per_queue: int = 1
+) -> AsyncIterator[tuple[list[StreamGate], list[asyncfence.Fence]]]:
+    """``per_queue`` parked waits on each of ``queues``, held; the gates and the fences.
+
+    The waits run in a task group: leaving the block waits for them, so
+    release every gate inside it.
+    """
     with contextlib.ExitStack() as stack:
-        gates = [stack.enter_context(hold(q)) for q in queues]
-        fences = [asyncfence.record(q) for q in queues for _ in range(10)]
+        gates = [stack.enter_context(hold(queue)) for queue in queues]
+        fences = [asyncfence.record(queue) for queue in queues for _ in range(per_queue)]
         async with anyio.create_task_group() as tg:
             for fence in fences:
                 tg.start_soon(partial(fence.wait, strategy="park"))
             await until(lambda: asyncfence.current_statistics().parked == len(fences))
-            for gate in reversed(gates):
-                gate.release()
+            yield gates, fences
+
+
+async def test_many_parked_waiters_on_many_streams(device: OpenCLDevice) -> None:
+    queues = [device.new_stream() for _ in range(8)]
+    async with parked_on_held(queues, per_queue=10) as (gates, fences):
+        for gate in reversed(gates):
+            gate.release()
     assert all(fence.done() for fence in fences)
 
 
@@ -670,34 +683,22 @@ async def test_an_older_fence_parked_after_a_newer_one_wakes_by_its_own_signal(
 @pytest.mark.usefixtures("only_signals_wake")
 async def test_64_waiters_on_64_queues_completing_in_random_order(device: OpenCLDevice) -> None:
     queues = [device.new_stream() for _ in range(64)]
-    with contextlib.ExitStack() as stack:
-        gates = [stack.enter_context(hold(queue)) for queue in queues]
-        fences = [asyncfence.record(queue) for queue in queues]
-        async with anyio.create_task_group() as tg:
-            for fence in fences:
-                tg.start_soon(partial(fence.wait, strategy="park"))
-            await until(lambda: asyncfence.current_statistics().parked == 64)
-            order = list(range(64))
-            random.Random(1).shuffle(order)
-            with anyio.fail_after(10):
-                for index in order:
-                    gates[index].release()
-                    await until(lambda index=index: fences[index].done())
+    async with parked_on_held(queues) as (gates, fences):
+        order = list(range(64))
+        random.Random(1).shuffle(order)
+        with anyio.fail_after(10):
+            for index in order:
+                gates[index].release()
+                await until(lambda index=index: fences[index].done())
     assert asyncfence.current_statistics().parked == 0
 
 
 async def test_a_thousand_parked_queues_add_no_thread_per_queue(device: OpenCLDevice) -> None:
     queues = [device.new_stream() for _ in range(1000)]
     threads_before = threading.active_count()
-    with contextlib.ExitStack() as stack:
-        gates = [stack.enter_context(hold(queue)) for queue in queues]
-        fences = [asyncfence.record(queue) for queue in queues]
-        async with anyio.create_task_group() as tg:
-            for fence in fences:
-                tg.start_soon(partial(fence.wait, strategy="park"))
-            await until(lambda: asyncfence.current_statistics().parked == 1000)
-            # At most the fallback's watcher, and trio's guest-mode I/O thread.
-            assert threading.active_count() - threads_before <= 2
-            for gate in gates:
-                gate.release()
+    async with parked_on_held(queues) as (gates, fences):
+        # At most the fallback's watcher, and trio's guest-mode I/O thread.
+        assert threading.active_count() - threads_before <= 2
+        for gate in gates:
+            gate.release()
     assert all(fence.done() for fence in fences)
