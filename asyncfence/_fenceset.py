@@ -67,6 +67,10 @@ class FenceSet:
         """How many streams the members are on."""
         return len(self._queues)
 
+    def has_queue(self, key: Hashable) -> bool:
+        """Whether any member is on the queue with ``key``."""
+        return key in self._queues
+
     def on_queue_of(self, fence: Fence) -> int:
         """How many members share ``fence``'s queue (``fence`` included, if a member)."""
         queue = self._queues.get(fence._queue.key)

@@ -17,6 +17,10 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["DISABLE_VARIABLE", "Shim", "shim", "unavailable_reason"]
 
@@ -35,12 +39,14 @@ class Shim:
         path: Where it was loaded from.
         fire: Address of ``af_fire``, a ``void f(void *)``: a CUDA host function.
         opencl_callback: Address of ``af_opencl_callback``, an OpenCL event callback.
+        take: ``af_mailbox_take``, called with the GIL held (see :func:`_gil_holding`).
     """
 
     library: ctypes.CDLL
     path: str
     fire: int
     opencl_callback: int
+    take: Callable[[int, Any, int], int]
 
     def live_slots(self) -> int:
         """Signals armed (or fired) whose slots are not yet freed, process-wide."""
@@ -82,6 +88,20 @@ def _typed(library: ctypes.CDLL) -> None:
     library.af_live_mailboxes.argtypes = []
 
 
+def _gil_holding(library: ctypes.CDLL) -> Callable[[int, Any, int], int]:
+    """``af_mailbox_take`` as a foreign function that keeps the GIL across the call.
+
+    ctypes releases the GIL around every call of a ``CDLL``'s functions. This
+    one never blocks (its fd is non-blocking) and runs on the wake path, where
+    releasing the GIL would let any other Python thread take it and hold the
+    woken loop back for up to a switch interval (5 ms).
+    """
+    prototype = ctypes.PYFUNCTYPE(
+        ctypes.c_size_t, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t
+    )
+    return prototype(("af_mailbox_take", library))
+
+
 def _load() -> tuple[Shim | None, str | None]:
     setting = os.environ.get(DISABLE_VARIABLE, "").strip()
     if setting == "0":
@@ -94,16 +114,14 @@ def _load() -> tuple[Shim | None, str | None]:
         try:
             library = ctypes.CDLL(str(path))
             _typed(library)
+            take = _gil_holding(library)
         except (OSError, AttributeError) as error:
             return None, f"the shim at {path} could not be loaded: {error}"
-        addresses = [
+        fire, opencl_callback = (
             ctypes.cast(f, ctypes.c_void_p).value or 0
-            for f in (
-                library.af_fire,
-                library.af_opencl_callback,
-            )
-        ]
-        return Shim(library, str(path), *addresses), None
+            for f in (library.af_fire, library.af_opencl_callback)
+        )
+        return Shim(library, str(path), fire, opencl_callback, take), None
     return None, "the shim was not built (no C compiler at install)"
 
 

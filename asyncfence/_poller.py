@@ -169,7 +169,8 @@ class NativeMailbox:
     def __init__(self, native: Shim) -> None:
         self._shim = native
         self._library = native.library
-        self._pid = os.getpid()
+        self._take = native.take
+        self._generation = _fork_generation
         handle = self._library.af_mailbox_new()
         if not handle:
             raise OSError(ctypes.get_errno(), "cannot create the native mailbox")
@@ -203,14 +204,27 @@ class NativeMailbox:
 
     def take(self) -> list[int]:
         """The tokens of the signals fired since the last call: the fd first, then the list."""
-        if os.getpid() != self._pid:
+        if self._generation != _fork_generation:
             return []  # a forked child: the parent's mailbox is not ours
-        taken: list[int] = []
-        while True:
-            count = self._library.af_mailbox_take(self._handle, self._tokens, _TAKE_BATCH)
-            taken.extend(self._tokens[:count])
-            if count < _TAKE_BATCH:
-                return taken
+        count = self._take(self._handle, self._tokens, _TAKE_BATCH)
+        taken: list[int] = self._tokens[:count]
+        while count == _TAKE_BATCH:
+            count = self._take(self._handle, self._tokens, _TAKE_BATCH)
+            taken += self._tokens[:count]
+        return taken
+
+
+# Bumped in a forked child: mailboxes made before belong to the parent.
+_fork_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _weakly(function: Callable[..., object]) -> Callable[[], Callable[..., Any] | None]:
@@ -307,9 +321,10 @@ class _NativeParking:
         self._parked = FenceSet()
         # Fences whose signal could not be armed: polled every poll_cap.
         self._unsignalled: set[Fence] = set()
-        # Armed signals not yet fired, both ways. Weak: a fence whose waiters
-        # left is never kept alive by its signal; re-parked, it reuses it.
-        self._token_of: weakref.WeakKeyDictionary[Fence, int] = weakref.WeakKeyDictionary()
+        # Armed signals not yet fired, both ways: token by id(fence), fence by
+        # token. Weak: a fence whose waiters left is never kept alive by its
+        # signal (its collection forgets both); re-parked, it reuses it.
+        self._token_of: dict[int, int] = {}
         self._fence_of: dict[int, weakref.ref[Fence]] = {}
         self._tokens = itertools.count(1)
         self._rearm_scheduled = False
@@ -326,7 +341,7 @@ class _NativeParking:
     @property
     def armed(self) -> int:
         """Parked fences with an armed signal."""
-        return sum(1 for fence in self._token_of if fence in self._parked)
+        return sum(1 for ref in self._fence_of.values() if ref() in self._parked)
 
     def park(self, fence: Fence) -> None:
         if not self._parked.add(fence):
@@ -337,7 +352,7 @@ class _NativeParking:
         # signal); swept on the next loop turn: the waiter may not be
         # suspended yet.
         self._arm([fence])
-        armed = fence in self._token_of  # then _arm has checked it
+        armed = id(fence) in self._token_of  # then _arm has checked it
         if not armed and (fence._state != PENDING or self._settled_now(fence)):
             self._driver.call_soon(lambda: self._sweep([fence._queue.key]))
 
@@ -376,7 +391,7 @@ class _NativeParking:
         settled: set[Hashable] = set()
         for fence in candidates:
             if (
-                fence in self._token_of
+                id(fence) in self._token_of
                 or fence in self._unsignalled
                 or not self._parked.needs_own_signal(fence)
             ):
@@ -404,33 +419,44 @@ class _NativeParking:
         if outcome != ARMED:
             self._mailbox.discard(slot)
             return outcome == SETTLED  # settled: the caller's check sweeps it
-        self._token_of[fence] = token
-        self._fence_of[token] = weakref.ref(fence, functools.partial(self._forget_token, token))
+        self._token_of[id(fence)] = token
+        self._fence_of[token] = weakref.ref(
+            fence, functools.partial(self._forget_token, token, id(fence))
+        )
         return True
 
-    def _forget_token(self, token: int, _dead: object) -> None:
+    def _forget_token(self, token: int, fence_id: int, _dead: object) -> None:
         """A fence with an armed signal was collected: its token means nothing now."""
         self._fence_of.pop(token, None)
+        self._token_of.pop(fence_id, None)
 
     def _on_readable(self) -> None:
-        """The mailbox fd is readable: some signals fired."""
+        """The mailbox fd is readable: some signals fired.
+
+        The wake path: kept short, since it runs on a loop thread that was
+        just woken, when every line costs the most.
+        """
         keys: set[Hashable] = set()
         for token in self._mailbox.take():
             ref = self._fence_of.pop(token, None)
-            fence = ref() if ref is not None else None
+            fence = None if ref is None else ref()
             if fence is None:
                 continue  # its waiters left and it is gone: harmless
-            self._token_of.pop(fence, None)
+            self._token_of.pop(id(fence), None)
             self.signals += 1
             # Its queue progressed at least this far: sweep it, even if this
             # fence's own waits have left (others behind it may be done).
             if fence in self._parked or self._parked.on_queue_of(fence):
                 keys.add(fence._queue.key)
-        if keys:
-            # The woken tasks first: arming the next fences waits for the
-            # next loop turn (armed first, checked second, so nothing is lost).
-            self._parked.sweep(self._poller._parked_settled, keys)
-            self._driver.call_soon(functools.partial(self._arm_heads, keys))
+        if not keys:
+            return
+        self._parked.sweep(self._poller._parked_settled, keys)
+        # The woken tasks first: arming the next fences of the queues still
+        # parked on waits for the next loop turn (armed first, checked second,
+        # so nothing is lost).
+        still_parked = {key for key in keys if self._parked.has_queue(key)}
+        if still_parked:
+            self._driver.call_soon(functools.partial(self._arm_heads, still_parked))
 
     def _sweep(self, keys: Iterable[Hashable] | None) -> None:
         """Query the parked fences of ``keys`` (every queue if ``None``) and wake the settled.

@@ -89,6 +89,19 @@ def test_a_signal_after_the_loop_let_go_is_safe_and_frees_everything(native: Shi
     assert native.live_slots() == slots_before
 
 
+def test_taking_the_signals_keeps_the_gil(native: Shim) -> None:
+    # The wake path's one foreign call: ctypes must call it as it calls the
+    # Python C-API, never releasing the GIL, or another Python thread takes
+    # the GIL from the woken loop for a switch interval.
+    flags = type(native.take)._flags_  # type: ignore[attr-defined]
+    assert flags & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
+    mailbox = NativeMailbox(native)
+    assert mailbox._take is native.take  # the call take() makes
+    _, slot = mailbox.signal(11)
+    fire(native, slot)
+    assert mailbox.take() == [11]
+
+
 def test_an_unused_slot_is_freed(native: Shim) -> None:
     before = native.live_slots()
     mailbox = NativeMailbox(native)
