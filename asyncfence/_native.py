@@ -17,7 +17,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -39,14 +39,15 @@ class Shim:
         path: Where it was loaded from.
         fire: Address of ``af_fire``, a ``void f(void *)``: a CUDA host function.
         opencl_callback: Address of ``af_opencl_callback``, an OpenCL event callback.
-        take: ``af_mailbox_take``, called with the GIL held (see :func:`_gil_holding`).
+        take: ``af_mailbox_take``, called with the GIL held and ctypes
+            arguments only (see :func:`_gil_holding`).
     """
 
     library: ctypes.CDLL
     path: str
     fire: int
     opencl_callback: int
-    take: Callable[[int, Any, int], int]
+    take: Callable[..., int]
 
     def live_slots(self) -> int:
         """Signals armed (or fired) whose slots are not yet freed, process-wide."""
@@ -88,18 +89,17 @@ def _typed(library: ctypes.CDLL) -> None:
     library.af_live_mailboxes.argtypes = []
 
 
-def _gil_holding(library: ctypes.CDLL) -> Callable[[int, Any, int], int]:
+def _gil_holding(library: ctypes.CDLL) -> Callable[..., int]:
     """``af_mailbox_take`` as a foreign function that keeps the GIL across the call.
 
     ctypes releases the GIL around every call of a ``CDLL``'s functions. This
     one never blocks (its fd is non-blocking) and runs on the wake path, where
     releasing the GIL would let any other Python thread take it and hold the
-    woken loop back for up to a switch interval (5 ms).
+    woken loop back for up to a switch interval (5 ms). It declares no
+    argument types, so that a call converts nothing: pass ctypes objects only
+    (a ``c_void_p``, a ``c_uint64`` array, a ``c_size_t``), never plain ints.
     """
-    prototype = ctypes.PYFUNCTYPE(
-        ctypes.c_size_t, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t
-    )
-    return prototype(("af_mailbox_take", library))
+    return ctypes.PYFUNCTYPE(ctypes.c_size_t)(("af_mailbox_take", library))
 
 
 def _load() -> tuple[Shim | None, str | None]:

@@ -176,6 +176,12 @@ class NativeMailbox:
             raise OSError(ctypes.get_errno(), "cannot create the native mailbox")
         self._handle: int = handle
         self._tokens = (ctypes.c_uint64 * _TAKE_BATCH)()
+        # Built once: the call on the wake path converts nothing.
+        self._take_arguments = (
+            ctypes.c_void_p(handle),
+            self._tokens,
+            ctypes.c_size_t(_TAKE_BATCH),
+        )
         # Closed with its poller: the shim keeps the fd open while any
         # signal can still fire, so a late write never lands elsewhere. Never
         # at interpreter exit, from the main thread, while its loop may still
@@ -206,10 +212,10 @@ class NativeMailbox:
         """The tokens of the signals fired since the last call: the fd first, then the list."""
         if self._generation != _fork_generation:
             return []  # a forked child: the parent's mailbox is not ours
-        count = self._take(self._handle, self._tokens, _TAKE_BATCH)
+        count = self._take(*self._take_arguments)
         taken: list[int] = self._tokens[:count]
         while count == _TAKE_BATCH:
-            count = self._take(self._handle, self._tokens, _TAKE_BATCH)
+            count = self._take(*self._take_arguments)
             taken += self._tokens[:count]
         return taken
 
@@ -352,7 +358,7 @@ class _NativeParking:
         # signal); swept on the next loop turn: the waiter may not be
         # suspended yet.
         self._arm([fence])
-        armed = id(fence) in self._token_of  # then _arm has checked it
+        armed = self._has_signal(fence)  # then _arm has checked it
         if not armed and (fence._state != PENDING or self._settled_now(fence)):
             self._driver.call_soon(lambda: self._sweep([fence._queue.key]))
 
@@ -391,7 +397,7 @@ class _NativeParking:
         settled: set[Hashable] = set()
         for fence in candidates:
             if (
-                id(fence) in self._token_of
+                self._has_signal(fence)
                 or fence in self._unsignalled
                 or not self._parked.needs_own_signal(fence)
             ):
@@ -425,6 +431,12 @@ class _NativeParking:
         )
         return True
 
+    def _has_signal(self, fence: Fence) -> bool:
+        """Whether ``fence`` has an armed signal that has not fired yet."""
+        token = self._token_of.get(id(fence))
+        ref = None if token is None else self._fence_of.get(token)
+        return ref is not None and ref() is fence
+
     def _forget_token(self, token: int, fence_id: int, _dead: object) -> None:
         """A fence with an armed signal was collected: its token means nothing now."""
         self._fence_of.pop(token, None)
@@ -436,7 +448,9 @@ class _NativeParking:
         The wake path: kept short, since it runs on a loop thread that was
         just woken, when every line costs the most.
         """
-        keys: set[Hashable] = set()
+        parked = self._parked
+        swept: set[Hashable] = set()
+        rearm: set[Hashable] = set()
         for token in self._mailbox.take():
             ref = self._fence_of.pop(token, None)
             fence = None if ref is None else ref()
@@ -444,19 +458,21 @@ class _NativeParking:
                 continue  # its waiters left and it is gone: harmless
             self._token_of.pop(id(fence), None)
             self.signals += 1
-            # Its queue progressed at least this far: sweep it, even if this
-            # fence's own waits have left (others behind it may be done).
-            if fence in self._parked or self._parked.on_queue_of(fence):
-                keys.add(fence._queue.key)
-        if not keys:
-            return
-        self._parked.sweep(self._poller._parked_settled, keys)
-        # The woken tasks first: arming the next fences of the queues still
-        # parked on waits for the next loop turn (armed first, checked second,
-        # so nothing is lost).
-        still_parked = {key for key in keys if self._parked.has_queue(key)}
-        if still_parked:
-            self._driver.call_soon(functools.partial(self._arm_heads, still_parked))
+            if parked.is_alone(fence):  # the common case: nothing else to sweep
+                if not parked.settle_alone(fence, self._poller._parked_settled):
+                    rearm.add(fence._queue.key)  # fired early: armed again
+            elif fence in parked or parked.on_queue_of(fence):
+                # Its queue progressed at least this far: sweep it, even if
+                # this fence's own waits have left (others behind it may be done).
+                swept.add(fence._queue.key)
+        if swept:
+            parked.sweep(self._poller._parked_settled, swept)
+            rearm.update(key for key in swept if parked.has_queue(key))
+        if rearm:
+            # The woken tasks first: arming the next fences of the queues
+            # still parked on waits for the next loop turn (armed first,
+            # checked second, so nothing is lost).
+            self._driver.call_soon(functools.partial(self._arm_heads, rearm))
 
     def _sweep(self, keys: Iterable[Hashable] | None) -> None:
         """Query the parked fences of ``keys`` (every queue if ``None``) and wake the settled.

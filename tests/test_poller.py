@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import logging
 import random
@@ -678,6 +679,37 @@ async def test_an_older_fence_parked_after_a_newer_one_wakes_by_its_own_signal(
                     await until(lambda: woken == ["older"])
                 later_gate.release()
     assert woken == ["older", "newer"]
+
+
+@pytest.mark.usefixtures("only_signals_wake")
+async def test_a_signal_that_comes_before_its_fence_completes_arms_it_again(
+    queue: cl.CommandQueue,
+) -> None:
+    from asyncfence._native import shim
+
+    native = shim()
+    if native is None:
+        pytest.skip("the native shim is not in use in this run")
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(fence.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().armed == 1)
+            parking = current_poller()._parking
+            assert isinstance(parking, _poller._NativeParking)
+            token = parking._token_of[id(fence)]
+            signals = asyncfence.current_statistics().signals
+            # A signal with the fence's token while the fence is still held,
+            # as from a runtime that calls back before its status reads so.
+            _, slot = parking._mailbox.signal(token)
+            ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.fire)(slot)
+            await until(lambda: parking._token_of.get(id(fence), token) != token)
+            assert asyncfence.current_statistics().signals == signals + 1
+            assert not fence.done()
+            gate.release()  # its new signal wakes it: the re-check is 30 s away
+            with anyio.fail_after(10):
+                await until(fence.done)
+    assert asyncfence.current_statistics().parked == 0
 
 
 @pytest.mark.usefixtures("only_signals_wake")
