@@ -50,7 +50,8 @@ _record_locks = tuple(threading.Lock() for _ in range(_RECORD_STRIPES))
 _BLOCKING_SLEEP_CAP_S = 1e-3
 
 # fork(): device runtimes do not survive it (their threads stay behind, their
-# locks may be held), so a child must not touch what the parent used.
+# locks may be held), so a child must not touch what the parent used. The
+# poller's native mailboxes read _generation too.
 _generation = 0
 _used_backends: set[str] = set()
 _backends_of_parent: frozenset[str] = frozenset()

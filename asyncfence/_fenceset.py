@@ -67,28 +67,6 @@ class FenceSet:
         """How many streams the members are on."""
         return len(self._queues)
 
-    def is_alone(self, fence: Fence) -> bool:
-        """Whether ``fence`` is a member and the only one on its queue."""
-        queue = self._queues.get(fence._queue.key)
-        return queue is not None and queue.members == 1 and fence in self._members
-
-    def settle_alone(
-        self, fence: Fence, settled: Callable[[Fence, Exception | None], None]
-    ) -> bool:
-        """Query ``fence``, the only member on its queue; remove and report it if settled.
-
-        A sweep of its queue, without the sweep's general machinery: the
-        parked wake's common case.
-
-        Returns:
-            Whether it had settled.
-        """
-        done, unexpected = _query(fence)
-        if done:
-            self.discard(fence)
-            settled(fence, unexpected)
-        return done
-
     def has_queue(self, key: Hashable) -> bool:
         """Whether any member is on the queue with ``key``."""
         return key in self._queues

@@ -16,13 +16,13 @@ import ctypes
 import functools
 import itertools
 import logging
-import os
 import threading
 import time
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from . import _fence
 from ._backend import NativeSignal, signal_path
 from ._config import Strategy, current_config
 from ._fence import ARMED, FAILED, PENDING, SETTLED, UNSIGNALLED
@@ -170,7 +170,7 @@ class NativeMailbox:
         self._shim = native
         self._library = native.library
         self._take = native.take
-        self._generation = _fork_generation
+        self._generation = _fence._generation  # bumped in a forked child
         handle = self._library.af_mailbox_new()
         if not handle:
             raise OSError(ctypes.get_errno(), "cannot create the native mailbox")
@@ -210,7 +210,7 @@ class NativeMailbox:
 
     def take(self) -> list[int]:
         """The tokens of the signals fired since the last call: the fd first, then the list."""
-        if self._generation != _fork_generation:
+        if self._generation != _fence._generation:
             return []  # a forked child: the parent's mailbox is not ours
         count = self._take(*self._take_arguments)
         taken: list[int] = self._tokens[:count]
@@ -218,19 +218,6 @@ class NativeMailbox:
             count = self._take(*self._take_arguments)
             taken += self._tokens[:count]
         return taken
-
-
-# Bumped in a forked child: mailboxes made before belong to the parent.
-_fork_generation = 0
-
-
-def _after_fork_in_child() -> None:
-    global _fork_generation
-    _fork_generation += 1
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _weakly(function: Callable[..., object]) -> Callable[[], Callable[..., Any] | None]:
@@ -449,8 +436,7 @@ class _NativeParking:
         just woken, when every line costs the most.
         """
         parked = self._parked
-        swept: set[Hashable] = set()
-        rearm: set[Hashable] = set()
+        keys: set[Hashable] = set()
         for token in self._mailbox.take():
             ref = self._fence_of.pop(token, None)
             fence = None if ref is None else ref()
@@ -458,20 +444,18 @@ class _NativeParking:
                 continue  # its waiters left and it is gone: harmless
             self._token_of.pop(id(fence), None)
             self.signals += 1
-            if parked.is_alone(fence):  # the common case: nothing else to sweep
-                if not parked.settle_alone(fence, self._poller._parked_settled):
-                    rearm.add(fence._queue.key)  # fired early: armed again
-            elif fence in parked or parked.on_queue_of(fence):
-                # Its queue progressed at least this far: sweep it, even if
-                # this fence's own waits have left (others behind it may be done).
-                swept.add(fence._queue.key)
-        if swept:
-            parked.sweep(self._poller._parked_settled, swept)
-            rearm.update(key for key in swept if parked.has_queue(key))
+            # Its queue progressed at least this far: sweep it, even if this
+            # fence's own waits have left (others behind it may be done).
+            if fence in parked or parked.on_queue_of(fence):
+                keys.add(fence._queue.key)
+        if not keys:
+            return
+        parked.sweep(self._poller._parked_settled, keys)
+        # The woken tasks first: arming the next fences of the queues still
+        # parked on (a fence whose signal came early among them) waits for the
+        # next loop turn (armed first, checked second, so nothing is lost).
+        rearm = {key for key in keys if parked.has_queue(key)}
         if rearm:
-            # The woken tasks first: arming the next fences of the queues
-            # still parked on waits for the next loop turn (armed first,
-            # checked second, so nothing is lost).
             self._driver.call_soon(functools.partial(self._arm_heads, rearm))
 
     def _sweep(self, keys: Iterable[Hashable] | None) -> None:
