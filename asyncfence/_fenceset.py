@@ -71,11 +71,6 @@ class FenceSet:
         """Whether any member is on the queue with ``key``."""
         return key in self._queues
 
-    def on_queue_of(self, fence: Fence) -> int:
-        """How many members share ``fence``'s queue (``fence`` included, if a member)."""
-        queue = self._queues.get(fence._queue.key)
-        return 0 if queue is None else queue.members
-
     def add(self, fence: Fence) -> bool:
         """Add ``fence``; returns whether it was new."""
         if fence in self._members:

@@ -150,6 +150,22 @@ def _guarded(callback: Callable[[], None], what: str) -> Callable[[], None]:
     return run
 
 
+def _guarded_reader(
+    callback: Callable[[], Callable[[], None] | None],
+) -> Callable[[], Callable[[], None] | None]:
+    """A reader ``callback`` made safe to run on the loop; its rest, guarded too."""
+
+    def run() -> Callable[[], None] | None:
+        try:
+            rest = callback()
+        except Exception:
+            _logger.exception("asyncfence: the native mailbox's reader raised; the loop goes on")
+            return None
+        return None if rest is None else _guarded(rest, "the rest of a native wake")
+
+    return run
+
+
 def _retry_delay() -> float:
     return current_config().poll_cap
 
@@ -264,12 +280,21 @@ class _AsyncioDriver:
     def chain(self, step: Callable[[], float | None]) -> _AsyncioChain:
         return _AsyncioChain(self._loop, step)
 
-    def watch_readable(self, fd: int, callback: Callable[[], None]) -> bool:
+    def watch_readable(self, fd: int, callback: Callable[[], Callable[[], None] | None]) -> bool:
         loop = self._loop()
         if loop is None:
             return False
+        guarded = _guarded_reader(callback)
+        loop_ref = self._loop
+
+        def on_readable() -> None:
+            rest = guarded()
+            running = loop_ref()
+            if rest is not None and running is not None:
+                running.call_soon(rest)  # after the tasks just woken: the ready queue is FIFO
+
         try:
-            loop.add_reader(fd, _guarded(callback, "the native mailbox's reader"))
+            loop.add_reader(fd, on_readable)
         except NotImplementedError:  # a proactor loop (Windows)
             return False
         return True
@@ -431,15 +456,21 @@ class _TrioDriver:
     def chain(self, step: Callable[[], float | None]) -> _TrioChain:
         return _TrioChain(step, "asyncfence poller")
 
-    def watch_readable(self, fd: int, callback: Callable[[], None]) -> bool:
+    def watch_readable(self, fd: int, callback: Callable[[], Callable[[], None] | None]) -> bool:
         import trio
 
-        guarded = _guarded(callback, "the native mailbox's reader")
+        guarded = _guarded_reader(callback)
 
         async def read_forever() -> None:
             while True:
                 await trio.lowlevel.wait_readable(fd)
-                guarded()
+                rest = guarded()
+                if rest is not None:
+                    # trio may run a batch of tasks in either order: two
+                    # turns put the rest after the tasks just woken.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    rest()
 
         try:
             trio.lowlevel.spawn_system_task(read_forever, name="asyncfence mailbox")

@@ -96,8 +96,11 @@ class LoopDriver(Protocol):
         """A chain that calls ``step`` on the loop (see :class:`Chain`)."""
         ...
 
-    def watch_readable(self, fd: int, callback: Callable[[], None]) -> bool:
+    def watch_readable(self, fd: int, callback: Callable[[], Callable[[], None] | None]) -> bool:
         """Call ``callback`` on the loop whenever ``fd`` is readable, for the loop's life.
+
+        ``callback`` may return the rest of its work: a callable the driver
+        runs on a later loop turn, once the tasks the callback woke have run.
 
         Returns:
             False if this loop cannot watch file descriptors.
@@ -321,6 +324,9 @@ class _NativeParking:
         self._fence_of: dict[int, weakref.ref[Fence]] = {}
         self._tokens = itertools.count(1)
         self._rearm_scheduled = False
+        # Fences whose signal fired, and whether each is pinned, for the rest of the wake.
+        self._fired: list[tuple[Fence, bool]] = []
+        self._rest_pending = False
         self._recheck = driver.chain(self._recheck_step)
         self._recheck_backoff = 1  # times recheck_interval; see RECHECK_BACKOFF_LIMIT
         self.signals = 0
@@ -329,7 +335,11 @@ class _NativeParking:
             raise OSError("this event loop cannot watch file descriptors")
 
     def __len__(self) -> int:
-        return len(self._parked)
+        # Not counting the fences woken whose rest of the wake has not run yet.
+        woken = sum(
+            1 for fence, _ in self._fired if fence._state != PENDING and fence in self._parked
+        )
+        return len(self._parked) - woken
 
     @property
     def armed(self) -> int:
@@ -429,14 +439,18 @@ class _NativeParking:
         self._fence_of.pop(token, None)
         self._token_of.pop(fence_id, None)
 
-    def _on_readable(self) -> None:
+    def _on_readable(self) -> Callable[[], None] | None:
         """The mailbox fd is readable: some signals fired.
 
-        The wake path: kept short, since it runs on a loop thread that was
-        just woken, when every line costs the most.
+        This runs on a loop thread that was just woken, when every line costs
+        the most, so it does only what the woken tasks need: it queries each
+        fence that fired and wakes its waiters if it settled. The rest (the
+        fences behind it on its queue, the bookkeeping, releasing its marker,
+        arming the next signals) is returned, for the driver to run once the
+        woken tasks have.
         """
-        parked = self._parked
-        keys: set[Hashable] = set()
+        poller = self._poller
+        fired = self._fired
         for token in self._mailbox.take():
             ref = self._fence_of.pop(token, None)
             fence = None if ref is None else ref()
@@ -444,19 +458,34 @@ class _NativeParking:
                 continue  # its waiters left and it is gone: harmless
             self._token_of.pop(id(fence), None)
             self.signals += 1
-            # Its queue progressed at least this far: sweep it, even if this
-            # fence's own waits have left (others behind it may be done).
-            if fence in parked or parked.on_queue_of(fence):
-                keys.add(fence._queue.key)
-        if not keys:
-            return
-        parked.sweep(self._poller._parked_settled, keys)
-        # The woken tasks first: arming the next fences of the queues still
-        # parked on (a fence whose signal came early among them) waits for the
-        # next loop turn (armed first, checked second, so nothing is lost).
-        rearm = {key for key in keys if parked.has_queue(key)}
-        if rearm:
-            self._driver.call_soon(functools.partial(self._arm_heads, rearm))
+            # Pinned, so that settling it leaves the marker's release to the rest.
+            fired.append((fence, fence._pin() is not None))
+            poller._wake_if_settled(fence)
+        if not fired or self._rest_pending:
+            return None
+        # (If a waker raised through here, the next wake hands the rest on.)
+        self._rest_pending = True
+        return self._after_signals
+
+    def _after_signals(self) -> None:
+        """The rest of a wake: sweep the queues that progressed, tidy up, arm what is next.
+
+        A fired fence's queue progressed at least that far, so it is swept
+        even if that fence's own waits have left (others behind it may be
+        done); a fence whose signal came early is armed again.
+        """
+        self._rest_pending = False
+        fired, self._fired = self._fired, []
+        parked = self._parked
+        keys = {fence._queue.key for fence, _ in fired}
+        try:
+            parked.sweep(self._poller._parked_settled, keys)
+        finally:
+            for fence, pinned in fired:
+                self._poller._tidy_woken(fence)
+                if pinned:
+                    fence._unpin()
+            self._arm_heads({key for key in keys if parked.has_queue(key)})
 
     def _sweep(self, keys: Iterable[Hashable] | None) -> None:
         """Query the parked fences of ``keys`` (every queue if ``None``) and wake the settled.
@@ -746,19 +775,46 @@ class Poller:
         if fence in self._waiters:
             self._wake_all(fence, unexpected)
 
+    def _wake_if_settled(self, fence: Fence) -> None:
+        """Query ``fence`` and, if it settled, wake its waiters now; see :meth:`_tidy_woken`."""
+        if fence not in self._waiters:
+            return
+        try:
+            if fence._poll() == PENDING:
+                return
+        except Exception as unexpected:  # a backend bug must reach the waiters
+            self._wake(fence, self._take_waiters(fence), unexpected)
+        else:
+            self._wake(fence, self._take_waiters(fence), None)
+
+    def _tidy_woken(self, fence: Fence) -> None:
+        """After :meth:`_wake_if_settled`: forget the fence, if nothing else waits for it."""
+        if fence not in self._waiters:
+            self._forget(fence)
+
     def _wake_all(self, fence: Fence, unexpected: Exception | None) -> None:
-        waiters = self._waiters.pop(fence, None)
+        waiters = self._take_waiters(fence)
         self._forget(fence)
+        self._wake(fence, waiters, unexpected)
+
+    def _take_waiters(self, fence: Fence) -> dict[Waiter, Strategy]:
+        waiters = self._waiters.pop(fence, None) or {}
+        self._waiter_count -= len(waiters)
+        return waiters
+
+    def _wake(
+        self, fence: Fence, waiters: dict[Waiter, Strategy], unexpected: Exception | None
+    ) -> None:
         if not waiters:
             return
-        self._waiter_count -= len(waiters)
         failed = fence._state == FAILED
         surfaced: BaseException | None = None
         for waiter in waiters:
             try:
+                # Each waiter its own copy of the failure, with its own traceback.
                 waiter.wake(unexpected or (fence._error() if failed else None))
-            except (KeyboardInterrupt, SystemExit) as error:
-                surfaced = surfaced or error  # after the others are woken
+            except (KeyboardInterrupt, SystemExit) as interrupt:
+                surfaced = surfaced or interrupt  # after the others are woken
             except BaseException:  # a waker must not raise; the others go on
                 _logger.exception("waking a waiter of %r raised; the others are woken", fence)
         if surfaced is not None:

@@ -713,6 +713,49 @@ async def test_a_signal_that_comes_before_its_fence_completes_arms_it_again(
 
 
 @pytest.mark.usefixtures("only_signals_wake")
+async def test_a_woken_task_runs_before_the_rest_of_its_wake(
+    stream: Any, wake_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The wake does only what the woken task needs. The rest (the fences
+    # behind on the queue, the bookkeeping, releasing the marker, arming the
+    # next signals) runs once the woken task has, and none of it is lost.
+    if wake_path != "native":
+        pytest.skip("the native shim is not in use in this run")
+    events: list[str] = []
+    rest_of_wake = _poller._NativeParking._after_signals
+
+    def recorded_rest(self: _poller._NativeParking) -> None:
+        events.append("rest")
+        rest_of_wake(self)
+
+    monkeypatch.setattr(_poller._NativeParking, "_after_signals", recorded_rest)
+    with hold(stream) as gate:
+        first = asyncfence.record(stream)
+        second = asyncfence.record(stream)  # parked behind it: no signal of its own
+
+        async def wait(name: str, fence: asyncfence.Fence) -> None:
+            await fence.wait(strategy="park")
+            events.append(name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait, "first", first)
+            await until(lambda: asyncfence.current_statistics().parked == 1)
+            tg.start_soon(wait, "second", second)
+            await until(lambda: asyncfence.current_statistics().parked == 2)
+            assert asyncfence.current_statistics().armed == 1
+            gate.release()
+            with anyio.fail_after(10):  # the re-check is 30 s away
+                await until(lambda: "second" in events)
+                await until(lambda: first._marker is None)  # released by the rest
+    assert events[:2] == ["first", "rest"]
+    # The second was woken by that rest's sweep, or by its own signal, armed by it.
+    assert events.index("second") > 1
+    assert second._marker is None
+    stats = asyncfence.current_statistics()
+    assert (stats.waiters, stats.parked, stats.armed) == (0, 0, 0)
+
+
+@pytest.mark.usefixtures("only_signals_wake")
 async def test_64_waiters_on_64_queues_completing_in_random_order(device: OpenCLDevice) -> None:
     queues = [device.new_stream() for _ in range(64)]
     async with parked_on_held(queues) as (gates, fences):
