@@ -140,8 +140,13 @@ class Fence:
 
     # -- state ----------------------------------------------------------------
 
-    def _poll(self) -> int:
+    def _poll(self, *, keep_marker: bool = False) -> int:
         """Query the device unless already settled; returns the state.
+
+        Args:
+            keep_marker: Leave the marker of a fence this call settles
+                unreleased, for :meth:`_release_if_settled` to release later
+                (off a loop's wake path).
 
         Raises:
             FenceError: The fence was recorded before this process forked.
@@ -159,12 +164,14 @@ class Fence:
                 # since answer for someone else's work.
                 return self._state
         except DeviceError as error:
-            self._settle(FAILED, error)
+            self._settle(FAILED, error, keep_marker=keep_marker)
         else:
-            self._settle(DONE, None)
+            self._settle(DONE, None, keep_marker=keep_marker)
         return self._state
 
-    def _settle(self, state: int, failure: DeviceError | None) -> None:
+    def _settle(
+        self, state: int, failure: DeviceError | None, *, keep_marker: bool = False
+    ) -> None:
         with _settle_lock:
             if self._state != PENDING:
                 return
@@ -172,11 +179,20 @@ class Fence:
             # finds no marker then always finds the fence settled.
             self._failure = failure
             self._state = state
-            if self._pins:
-                return  # a driver call still uses the marker: the last unpin releases it
+            if self._pins or keep_marker:
+                return  # a driver call still uses the marker, or it is released later
             marker, self._marker = self._marker, None
         assert marker is not None
         self._backend.release(marker)
+
+    def _release_if_settled(self) -> None:
+        """Release the marker of a settled fence, unless a driver call still uses it."""
+        with _settle_lock:
+            if self._pins or self._state == PENDING:
+                return
+            marker, self._marker = self._marker, None
+        if marker is not None:
+            self._backend.release(marker)
 
     def _pin(self) -> Any:
         """The marker, kept from release until :meth:`_unpin`; ``None`` if settled."""
@@ -190,11 +206,7 @@ class Fence:
     def _unpin(self) -> None:
         with _settle_lock:
             self._pins -= 1
-            if self._pins or self._state == PENDING:
-                return
-            marker, self._marker = self._marker, None
-        if marker is not None:
-            self._backend.release(marker)
+        self._release_if_settled()
 
     def _error(self) -> DeviceError:
         """A fresh copy of the failure, so each waiter gets its own traceback."""

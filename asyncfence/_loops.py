@@ -150,20 +150,13 @@ def _guarded(callback: Callable[[], None], what: str) -> Callable[[], None]:
     return run
 
 
-def _guarded_reader(
-    callback: Callable[[], Callable[[], None] | None],
-) -> Callable[[], Callable[[], None] | None]:
-    """A reader ``callback`` made safe to run on the loop; its rest, guarded too."""
-
-    def run() -> Callable[[], None] | None:
-        try:
-            rest = callback()
-        except Exception:
-            _logger.exception("asyncfence: the native mailbox's reader raised; the loop goes on")
-            return None
-        return None if rest is None else _guarded(rest, "the rest of a native wake")
-
-    return run
+def _read_guarded(on_readable: Callable[[], bool]) -> bool:
+    """``on_readable()``, made safe to run on the loop: False if it raised an Exception."""
+    try:
+        return on_readable()
+    except Exception:
+        _logger.exception("asyncfence: the native mailbox's reader raised; the loop goes on")
+        return False
 
 
 def _retry_delay() -> float:
@@ -280,21 +273,29 @@ class _AsyncioDriver:
     def chain(self, step: Callable[[], float | None]) -> _AsyncioChain:
         return _AsyncioChain(self._loop, step)
 
-    def watch_readable(self, fd: int, callback: Callable[[], Callable[[], None] | None]) -> bool:
+    def watch_readable(
+        self, fd: int, on_readable: Callable[[], bool], then: Callable[[], None]
+    ) -> bool:
         loop = self._loop()
         if loop is None:
             return False
-        guarded = _guarded_reader(callback)
+        rest = _guarded(then, "the rest of a native wake")
         loop_ref = self._loop
 
-        def on_readable() -> None:
-            rest = guarded()
-            running = loop_ref()
-            if rest is not None and running is not None:
+        def readable() -> None:
+            # _read_guarded inlined: a frame less on the wake path.
+            try:
+                woke = on_readable()
+            except Exception:
+                _logger.exception(
+                    "asyncfence: the native mailbox's reader raised; the loop goes on"
+                )
+                return
+            if woke and (running := loop_ref()) is not None:
                 running.call_soon(rest)  # after the tasks just woken: the ready queue is FIFO
 
         try:
-            loop.add_reader(fd, on_readable)
+            loop.add_reader(fd, readable)
         except NotImplementedError:  # a proactor loop (Windows)
             return False
         return True
@@ -456,16 +457,17 @@ class _TrioDriver:
     def chain(self, step: Callable[[], float | None]) -> _TrioChain:
         return _TrioChain(step, "asyncfence poller")
 
-    def watch_readable(self, fd: int, callback: Callable[[], Callable[[], None] | None]) -> bool:
+    def watch_readable(
+        self, fd: int, on_readable: Callable[[], bool], then: Callable[[], None]
+    ) -> bool:
         import trio
 
-        guarded = _guarded_reader(callback)
+        rest = _guarded(then, "the rest of a native wake")
 
         async def read_forever() -> None:
             while True:
                 await trio.lowlevel.wait_readable(fd)
-                rest = guarded()
-                if rest is not None:
+                if _read_guarded(on_readable):
                     # trio may run a batch of tasks in either order: two
                     # turns put the rest after the tasks just woken.
                     await trio.lowlevel.cancel_shielded_checkpoint()

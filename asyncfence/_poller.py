@@ -96,11 +96,13 @@ class LoopDriver(Protocol):
         """A chain that calls ``step`` on the loop (see :class:`Chain`)."""
         ...
 
-    def watch_readable(self, fd: int, callback: Callable[[], Callable[[], None] | None]) -> bool:
-        """Call ``callback`` on the loop whenever ``fd`` is readable, for the loop's life.
+    def watch_readable(
+        self, fd: int, on_readable: Callable[[], bool], then: Callable[[], None]
+    ) -> bool:
+        """Call ``on_readable`` on the loop whenever ``fd`` is readable, for the loop's life.
 
-        ``callback`` may return the rest of its work: a callable the driver
-        runs on a later loop turn, once the tasks the callback woke have run.
+        When it returns True, ``then`` runs on a later loop turn, once the
+        tasks ``on_readable`` woke have run: the rest of its work.
 
         Returns:
             False if this loop cannot watch file descriptors.
@@ -324,21 +326,21 @@ class _NativeParking:
         self._fence_of: dict[int, weakref.ref[Fence]] = {}
         self._tokens = itertools.count(1)
         self._rearm_scheduled = False
-        # Fences whose signal fired, and whether each is pinned, for the rest of the wake.
-        self._fired: list[tuple[Fence, bool]] = []
+        # Fences whose signal fired, for the rest of the wake.
+        self._fired: list[Fence] = []
         self._rest_pending = False
         self._recheck = driver.chain(self._recheck_step)
         self._recheck_backoff = 1  # times recheck_interval; see RECHECK_BACKOFF_LIMIT
         self.signals = 0
         self.rechecks = 0
-        if not driver.watch_readable(self._mailbox.fileno(), self._on_readable):
+        if not driver.watch_readable(
+            self._mailbox.fileno(), self._on_readable, self._after_signals
+        ):
             raise OSError("this event loop cannot watch file descriptors")
 
     def __len__(self) -> int:
         # Not counting the fences woken whose rest of the wake has not run yet.
-        woken = sum(
-            1 for fence, _ in self._fired if fence._state != PENDING and fence in self._parked
-        )
+        woken = sum(1 for fence in self._fired if fence._state != PENDING and fence in self._parked)
         return len(self._parked) - woken
 
     @property
@@ -439,15 +441,15 @@ class _NativeParking:
         self._fence_of.pop(token, None)
         self._token_of.pop(fence_id, None)
 
-    def _on_readable(self) -> Callable[[], None] | None:
+    def _on_readable(self) -> bool:
         """The mailbox fd is readable: some signals fired.
 
         This runs on a loop thread that was just woken, when every line costs
         the most, so it does only what the woken tasks need: it queries each
         fence that fired and wakes its waiters if it settled. The rest (the
         fences behind it on its queue, the bookkeeping, releasing its marker,
-        arming the next signals) is returned, for the driver to run once the
-        woken tasks have.
+        arming the next signals) is :meth:`_after_signals`, which the driver
+        runs once the woken tasks have if this returns True.
         """
         poller = self._poller
         fired = self._fired
@@ -458,14 +460,13 @@ class _NativeParking:
                 continue  # its waiters left and it is gone: harmless
             self._token_of.pop(id(fence), None)
             self.signals += 1
-            # Pinned, so that settling it leaves the marker's release to the rest.
-            fired.append((fence, fence._pin() is not None))
+            fired.append(fence)
             poller._wake_if_settled(fence)
         if not fired or self._rest_pending:
-            return None
+            return False
         # (If a waker raised through here, the next wake hands the rest on.)
         self._rest_pending = True
-        return self._after_signals
+        return True
 
     def _after_signals(self) -> None:
         """The rest of a wake: sweep the queues that progressed, tidy up, arm what is next.
@@ -477,14 +478,13 @@ class _NativeParking:
         self._rest_pending = False
         fired, self._fired = self._fired, []
         parked = self._parked
-        keys = {fence._queue.key for fence, _ in fired}
+        keys = {fence._queue.key for fence in fired}
         try:
             parked.sweep(self._poller._parked_settled, keys)
         finally:
-            for fence, pinned in fired:
+            for fence in fired:
                 self._poller._tidy_woken(fence)
-                if pinned:
-                    fence._unpin()
+                fence._release_if_settled()
             self._arm_heads({key for key in keys if parked.has_queue(key)})
 
     def _sweep(self, keys: Iterable[Hashable] | None) -> None:
@@ -776,16 +776,23 @@ class Poller:
             self._wake_all(fence, unexpected)
 
     def _wake_if_settled(self, fence: Fence) -> None:
-        """Query ``fence`` and, if it settled, wake its waiters now; see :meth:`_tidy_woken`."""
-        if fence not in self._waiters:
+        """Query ``fence`` and, if it settled, wake its waiters now.
+
+        The rest waits: the fence is forgotten by :meth:`_tidy_woken`, and its
+        marker released by ``fence._release_if_settled()``.
+        """
+        waiters = self._waiters.get(fence)
+        if waiters is None:
             return
+        unexpected = None
         try:
-            if fence._poll() == PENDING:
+            if fence._poll(keep_marker=True) == PENDING:
                 return
-        except Exception as unexpected:  # a backend bug must reach the waiters
-            self._wake(fence, self._take_waiters(fence), unexpected)
-        else:
-            self._wake(fence, self._take_waiters(fence), None)
+        except Exception as error:  # a backend bug must reach the waiters
+            unexpected = error
+        del self._waiters[fence]
+        self._waiter_count -= len(waiters)
+        self._wake(fence, waiters, unexpected)
 
     def _tidy_woken(self, fence: Fence) -> None:
         """After :meth:`_wake_if_settled`: forget the fence, if nothing else waits for it."""

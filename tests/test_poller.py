@@ -756,6 +756,41 @@ async def test_a_woken_task_runs_before_the_rest_of_its_wake(
 
 
 @pytest.mark.usefixtures("only_signals_wake")
+async def test_a_reader_that_raises_leaves_the_loop_and_its_waits_working(
+    stream: Any,
+    wake_path: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    if wake_path != "native":
+        pytest.skip("the native shim is not in use in this run")
+    take = _poller.NativeMailbox.take
+    calls = 0
+
+    def take_failing_once(self: _poller.NativeMailbox) -> list[int]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in the wake path")
+        return take(self)
+
+    monkeypatch.setattr(_poller.NativeMailbox, "take", take_failing_once)
+    with caplog.at_level(logging.ERROR, "asyncfence.loops"), hold(stream) as gate:
+        fence = asyncfence.record(stream)
+        # Its fd stays readable, so the reader runs again: the re-check is 30 s away.
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(fence.wait, strategy="park"))
+                await until(lambda: asyncfence.current_statistics().armed == 1)
+                gate.release()
+    assert calls >= 2
+    assert "the native mailbox's reader raised" in caplog.text
+    later = asyncfence.record(stream)
+    await later.wait(strategy="park")
+    assert asyncfence.current_statistics().parked == 0
+
+
+@pytest.mark.usefixtures("only_signals_wake")
 async def test_64_waiters_on_64_queues_completing_in_random_order(device: OpenCLDevice) -> None:
     queues = [device.new_stream() for _ in range(64)]
     async with parked_on_held(queues) as (gates, fences):
