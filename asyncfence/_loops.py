@@ -273,29 +273,15 @@ class _AsyncioDriver:
     def chain(self, step: Callable[[], float | None]) -> _AsyncioChain:
         return _AsyncioChain(self._loop, step)
 
-    def watch_readable(
-        self, fd: int, on_readable: Callable[[], bool], then: Callable[[], None]
-    ) -> bool:
+    def watch_readable(self, fd: int, on_readable: Callable[[], bool]) -> bool:
         loop = self._loop()
         if loop is None:
             return False
-        rest = _guarded(then, "the rest of a native wake")
-        loop_ref = self._loop
-
-        def readable() -> None:
-            # _read_guarded inlined: a frame less on the wake path.
-            try:
-                woke = on_readable()
-            except Exception:
-                _logger.exception(
-                    "asyncfence: the native mailbox's reader raised; the loop goes on"
-                )
-                return
-            if woke and (running := loop_ref()) is not None:
-                running.call_soon(rest)  # after the tasks just woken: the ready queue is FIFO
-
         try:
-            loop.add_reader(fd, readable)
+            # A True return left fd readable: the selector reports it again on
+            # the next turn, and its callback queues behind the ready ones (the
+            # woken tasks), since the ready queue is first in, first out.
+            loop.add_reader(fd, _read_guarded, on_readable)
         except NotImplementedError:  # a proactor loop (Windows)
             return False
         return True
@@ -457,22 +443,17 @@ class _TrioDriver:
     def chain(self, step: Callable[[], float | None]) -> _TrioChain:
         return _TrioChain(step, "asyncfence poller")
 
-    def watch_readable(
-        self, fd: int, on_readable: Callable[[], bool], then: Callable[[], None]
-    ) -> bool:
+    def watch_readable(self, fd: int, on_readable: Callable[[], bool]) -> bool:
         import trio
-
-        rest = _guarded(then, "the rest of a native wake")
 
         async def read_forever() -> None:
             while True:
                 await trio.lowlevel.wait_readable(fd)
-                if _read_guarded(on_readable):
-                    # trio may run a batch of tasks in either order: two
-                    # turns put the rest after the tasks just woken.
+                while _read_guarded(on_readable):
+                    # Called again once the tasks it woke have run: trio may
+                    # run a batch of tasks in either order, so two turns.
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     await trio.lowlevel.cancel_shielded_checkpoint()
-                    rest()
 
         try:
             trio.lowlevel.spawn_system_task(read_forever, name="asyncfence mailbox")

@@ -145,6 +145,20 @@ AF_API void af_mailbox_close(af_mailbox *mailbox) {
     mailbox_unref(mailbox); /* the loop's */
 }
 
+/* Hand up to `capacity` of the taken tokens to the loop, freeing their slots. */
+static size_t hand_over(af_mailbox *mailbox, uint64_t *tokens, size_t capacity) {
+    size_t count = 0;
+    while (mailbox->taken && count < capacity) {
+        af_slot *slot = mailbox->taken;
+        mailbox->taken = slot->next;
+        tokens[count++] = slot->token;
+        free(slot);
+        atomic_fetch_sub(&live_slots, 1);
+        mailbox_unref(mailbox);
+    }
+    return count;
+}
+
 /*
  * Take up to `capacity` fired tokens. Drains the fd first, then the list.
  * Returns how many were written to `tokens`; fewer than `capacity` means none
@@ -164,16 +178,18 @@ AF_API size_t af_mailbox_take(af_mailbox *mailbox, uint64_t *tokens, size_t capa
 #endif
         mailbox->taken = atomic_exchange(&mailbox->fired, NULL);
     }
-    size_t count = 0;
-    while (mailbox->taken && count < capacity) {
-        af_slot *slot = mailbox->taken;
-        mailbox->taken = slot->next;
-        tokens[count++] = slot->token;
-        free(slot);
-        atomic_fetch_sub(&live_slots, 1);
-        mailbox_unref(mailbox);
-    }
-    return count;
+    return hand_over(mailbox, tokens, capacity);
+}
+
+/*
+ * af_mailbox_take without the read: the list only, a system call less on a
+ * loop just woken. If it takes anything, the fd stays readable (the first
+ * signal after the last take wrote it, and only af_mailbox_take reads it), so
+ * the loop calls back, and that call, af_mailbox_take, drains it.
+ */
+AF_API size_t af_mailbox_take_undrained(af_mailbox *mailbox, uint64_t *tokens, size_t capacity) {
+    if (!mailbox->taken) mailbox->taken = atomic_exchange(&mailbox->fired, NULL);
+    return hand_over(mailbox, tokens, capacity);
 }
 
 /* A slot to arm for `token`: its signal will post it to `mailbox`. NULL if out of memory. */

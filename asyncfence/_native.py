@@ -41,6 +41,7 @@ class Shim:
         opencl_callback: Address of ``af_opencl_callback``, an OpenCL event callback.
         take: ``af_mailbox_take``, called with the GIL held and ctypes
             arguments only (see :func:`_gil_holding`).
+        take_undrained: ``af_mailbox_take_undrained``, called the same way.
     """
 
     library: ctypes.CDLL
@@ -48,6 +49,7 @@ class Shim:
     fire: int
     opencl_callback: int
     take: Callable[..., int]
+    take_undrained: Callable[..., int]
 
     def live_slots(self) -> int:
         """Signals armed (or fired) whose slots are not yet freed, process-wide."""
@@ -79,6 +81,8 @@ def _typed(library: ctypes.CDLL) -> None:
     library.af_mailbox_close.argtypes = [void_p]
     library.af_mailbox_take.restype = size_t
     library.af_mailbox_take.argtypes = [void_p, ctypes.POINTER(u64), size_t]
+    library.af_mailbox_take_undrained.restype = size_t
+    library.af_mailbox_take_undrained.argtypes = [void_p, ctypes.POINTER(u64), size_t]
     library.af_slot_new.restype = void_p
     library.af_slot_new.argtypes = [void_p, u64]
     library.af_slot_discard.restype = None
@@ -89,8 +93,8 @@ def _typed(library: ctypes.CDLL) -> None:
     library.af_live_mailboxes.argtypes = []
 
 
-def _gil_holding(library: ctypes.CDLL) -> Callable[..., int]:
-    """``af_mailbox_take`` as a foreign function that keeps the GIL across the call.
+def _gil_holding(library: ctypes.CDLL, name: str) -> Callable[..., int]:
+    """The take ``name`` as a foreign function that keeps the GIL across the call.
 
     ctypes releases the GIL around every call of a ``CDLL``'s functions. This
     one never blocks (its fd is non-blocking) and runs on the wake path, where
@@ -99,7 +103,7 @@ def _gil_holding(library: ctypes.CDLL) -> Callable[..., int]:
     argument types, so that a call converts nothing: pass ctypes objects only
     (a ``c_void_p``, a ``c_uint64`` array, a ``c_size_t``), never plain ints.
     """
-    return ctypes.PYFUNCTYPE(ctypes.c_size_t)(("af_mailbox_take", library))
+    return ctypes.PYFUNCTYPE(ctypes.c_size_t)((name, library))
 
 
 def _load() -> tuple[Shim | None, str | None]:
@@ -114,14 +118,15 @@ def _load() -> tuple[Shim | None, str | None]:
         try:
             library = ctypes.CDLL(str(path))
             _typed(library)
-            take = _gil_holding(library)
+            take = _gil_holding(library, "af_mailbox_take")
+            take_undrained = _gil_holding(library, "af_mailbox_take_undrained")
         except (OSError, AttributeError) as error:
             return None, f"the shim at {path} could not be loaded: {error}"
         fire, opencl_callback = (
             ctypes.cast(f, ctypes.c_void_p).value or 0
             for f in (library.af_fire, library.af_opencl_callback)
         )
-        return Shim(library, str(path), fire, opencl_callback, take), None
+        return Shim(library, str(path), fire, opencl_callback, take, take_undrained), None
     return None, "the shim was not built (no C compiler at install)"
 
 

@@ -96,13 +96,12 @@ class LoopDriver(Protocol):
         """A chain that calls ``step`` on the loop (see :class:`Chain`)."""
         ...
 
-    def watch_readable(
-        self, fd: int, on_readable: Callable[[], bool], then: Callable[[], None]
-    ) -> bool:
+    def watch_readable(self, fd: int, on_readable: Callable[[], bool]) -> bool:
         """Call ``on_readable`` on the loop whenever ``fd`` is readable, for the loop's life.
 
-        When it returns True, ``then`` runs on a later loop turn, once the
-        tasks ``on_readable`` woke have run: the rest of its work.
+        When it returns True it left ``fd`` readable on purpose, to be called
+        again once the tasks it woke have run: the driver makes sure that the
+        repeat call comes after them.
 
         Returns:
             False if this loop cannot watch file descriptors.
@@ -175,6 +174,7 @@ class NativeMailbox:
         self._shim = native
         self._library = native.library
         self._take = native.take
+        self._take_undrained = native.take_undrained
         self._generation = _fence._generation  # bumped in a forked child
         handle = self._library.af_mailbox_new()
         if not handle:
@@ -214,13 +214,24 @@ class NativeMailbox:
         self._library.af_slot_discard(slot)
 
     def take(self) -> list[int]:
-        """The tokens of the signals fired since the last call: the fd first, then the list."""
+        """The tokens of the signals fired since the last take: the fd drained, then the list."""
+        return self._take_with(self._take)
+
+    def take_undrained(self) -> list[int]:
+        """The same, without draining the fd: a system call less.
+
+        If it returns any, the fd stays readable, so the loop calls back;
+        :meth:`take` then drains it.
+        """
+        return self._take_with(self._take_undrained)
+
+    def _take_with(self, take: Callable[..., int]) -> list[int]:
         if self._generation != _fence._generation:
             return []  # a forked child: the parent's mailbox is not ours
-        count = self._take(*self._take_arguments)
+        count = take(*self._take_arguments)
         taken: list[int] = self._tokens[:count]
         while count == _TAKE_BATCH:
-            count = self._take(*self._take_arguments)
+            count = take(*self._take_arguments)
             taken += self._tokens[:count]
         return taken
 
@@ -333,9 +344,7 @@ class _NativeParking:
         self._recheck_backoff = 1  # times recheck_interval; see RECHECK_BACKOFF_LIMIT
         self.signals = 0
         self.rechecks = 0
-        if not driver.watch_readable(
-            self._mailbox.fileno(), self._on_readable, self._after_signals
-        ):
+        if not driver.watch_readable(self._mailbox.fileno(), self._on_readable):
             raise OSError("this event loop cannot watch file descriptors")
 
     def __len__(self) -> int:
@@ -442,18 +451,36 @@ class _NativeParking:
         self._token_of.pop(fence_id, None)
 
     def _on_readable(self) -> bool:
-        """The mailbox fd is readable: some signals fired.
+        """The mailbox fd is readable: some signals fired. Called twice per wake.
 
-        This runs on a loop thread that was just woken, when every line costs
-        the most, so it does only what the woken tasks need: it queries each
-        fence that fired and wakes its waiters if it settled. The rest (the
-        fences behind it on its queue, the bookkeeping, releasing its marker,
-        arming the next signals) is :meth:`_after_signals`, which the driver
-        runs once the woken tasks have if this returns True.
+        The first call runs on a loop thread that was just woken, when every
+        line costs the most, so it does only what the woken tasks need: it
+        takes the signals without draining the fd, queries each fence that
+        fired and wakes its waiters if it settled. It returns True: the fd
+        stays readable, and the driver calls again once the woken tasks have
+        run. That call drains the fd, wakes what fired meanwhile, and does the
+        rest (:meth:`_after_signals`).
         """
+        if self._rest_pending:
+            self._rest_pending = False
+            self._wake_fired(self._mailbox.take())
+            self._after_signals()
+            return False
+        if self._wake_fired(self._mailbox.take_undrained()):
+            self._rest_pending = True
+            return True
+        # Nothing taken (a leftover from a wake a waker raised through): drain
+        # the fd, and finish at once what that finds.
+        self._wake_fired(self._mailbox.take())
+        if self._fired:
+            self._after_signals()
+        return False
+
+    def _wake_fired(self, tokens: list[int]) -> int:
+        """Wake the waiters of the fences these signals belong to, if settled; how many."""
         poller = self._poller
         fired = self._fired
-        for token in self._mailbox.take():
+        for token in tokens:
             ref = self._fence_of.pop(token, None)
             fence = None if ref is None else ref()
             if fence is None:
@@ -462,11 +489,7 @@ class _NativeParking:
             self.signals += 1
             fired.append(fence)
             poller._wake_if_settled(fence)
-        if not fired or self._rest_pending:
-            return False
-        # (If a waker raised through here, the next wake hands the rest on.)
-        self._rest_pending = True
-        return True
+        return len(tokens)
 
     def _after_signals(self) -> None:
         """The rest of a wake: sweep the queues that progressed, tidy up, arm what is next.
@@ -475,7 +498,6 @@ class _NativeParking:
         even if that fence's own waits have left (others behind it may be
         done); a fence whose signal came early is armed again.
         """
-        self._rest_pending = False
         fired, self._fired = self._fired, []
         parked = self._parked
         keys = {fence._queue.key for fence in fired}
@@ -512,6 +534,8 @@ class _NativeParking:
         return config.recheck_interval * self._recheck_backoff
 
     def _recheck_step(self) -> float | None:
+        if self._fired and not self._rest_pending:
+            self._after_signals()  # left by a wake that a waker raised through
         if not self._parked:
             return None
         self.rechecks += 1

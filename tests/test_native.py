@@ -93,13 +93,32 @@ def test_taking_the_signals_keeps_the_gil(native: Shim) -> None:
     # The wake path's one foreign call: ctypes must call it as it calls the
     # Python C-API, never releasing the GIL, or another Python thread takes
     # the GIL from the woken loop for a switch interval.
-    flags = type(native.take)._flags_  # type: ignore[attr-defined]
-    assert flags & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
+    for take in (native.take, native.take_undrained):
+        flags = type(take)._flags_  # type: ignore[attr-defined]
+        assert flags & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
     mailbox = NativeMailbox(native)
-    assert mailbox._take is native.take  # the call take() makes
+    assert mailbox._take is native.take  # the calls take() and take_undrained() make
+    assert mailbox._take_undrained is native.take_undrained
     _, slot = mailbox.signal(11)
     fire(native, slot)
     assert mailbox.take() == [11]
+
+
+def test_an_undrained_take_leaves_the_fd_readable_until_a_take_drains_it(native: Shim) -> None:
+    # The wake's first look takes the signals without a read; the loop sees
+    # the fd readable again and calls back, and that take drains it.
+    mailbox = NativeMailbox(native)
+    _, first = mailbox.signal(1)
+    _, second = mailbox.signal(2)
+    fire(native, first)
+    assert mailbox.take_undrained() == [1]
+    assert readable(mailbox.fileno())
+    fire(native, second)  # onto an empty list: written too
+    assert mailbox.take_undrained() == [2]
+    assert readable(mailbox.fileno())
+    assert mailbox.take() == []
+    assert not readable(mailbox.fileno())
+    assert mailbox.take_undrained() == []
 
 
 def test_an_unused_slot_is_freed(native: Shim) -> None:

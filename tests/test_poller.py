@@ -764,17 +764,17 @@ async def test_a_reader_that_raises_leaves_the_loop_and_its_waits_working(
 ) -> None:
     if wake_path != "native":
         pytest.skip("the native shim is not in use in this run")
-    take = _poller.NativeMailbox.take
+    take_with = _poller.NativeMailbox._take_with
     calls = 0
 
-    def take_failing_once(self: _poller.NativeMailbox) -> list[int]:
+    def take_failing_once(self: _poller.NativeMailbox, take: Any) -> list[int]:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise RuntimeError("a bug in the wake path")
-        return take(self)
+        return take_with(self, take)
 
-    monkeypatch.setattr(_poller.NativeMailbox, "take", take_failing_once)
+    monkeypatch.setattr(_poller.NativeMailbox, "_take_with", take_failing_once)
     with caplog.at_level(logging.ERROR, "asyncfence.loops"), hold(stream) as gate:
         fence = asyncfence.record(stream)
         # Its fd stays readable, so the reader runs again: the re-check is 30 s away.
