@@ -13,7 +13,9 @@
  * its mailbox's list, and writes the fd only if the list was empty: many
  * completions coalesce into one write and one wake. The loop drains the fd
  * first, then the list (the other order could lose a wake), and frees the
- * slots it took.
+ * slots it took. Just woken, it may take the list alone
+ * (af_mailbox_take_undrained) and drain on its next call: the fd stays
+ * readable until then.
  *
  * Lifetimes: C owns every slot and mailbox. A mailbox counts one reference
  * for its loop and one per slot armed and not yet taken, and closes its fd

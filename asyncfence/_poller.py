@@ -358,6 +358,12 @@ class _NativeParking:
         return sum(1 for ref in self._fence_of.values() if ref() in self._parked)
 
     def park(self, fence: Fence) -> None:
+        for fired in self._fired:
+            # A task woken a moment ago parks again before the rest of its
+            # wake ran: the settled fences leave the set now, so that this one
+            # can be the oldest of its queue and get its signal at once.
+            if fired._state != PENDING:
+                self._parked.discard(fired)
         if not self._parked.add(fence):
             return
         self._recheck_backoff = 1  # a new wait gets the prompt re-check

@@ -756,6 +756,47 @@ async def test_a_woken_task_runs_before_the_rest_of_its_wake(
 
 
 @pytest.mark.usefixtures("only_signals_wake")
+async def test_a_fence_parked_by_a_task_just_woken_gets_its_signal_at_once(
+    stream: Any, wake_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A task in a loop of record-and-await parks its next fence before the
+    # rest of its last wake ran: the fence that woke it must not stand in
+    # front of the new one, which would then wait for the rest to be armed.
+    if wake_path != "native":
+        pytest.skip("the native shim is not in use in this run")
+    rests: list[int] = []
+    rest_of_wake = _poller._NativeParking._after_signals
+
+    def counted_rest(self: _poller._NativeParking) -> None:
+        rests.append(1)
+        rest_of_wake(self)
+
+    monkeypatch.setattr(_poller._NativeParking, "_after_signals", counted_rest)
+    armed_at_once: list[bool] = []
+    with hold(stream) as gate:
+        first = asyncfence.record(stream)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+
+                async def wake_then_park() -> None:
+                    await first.wait(strategy="park")
+                    assert not rests  # the rest of this wake has not run yet
+                    parking = current_poller()._parking
+                    assert isinstance(parking, _poller._NativeParking)
+                    with hold(stream) as second_gate:
+                        second = asyncfence.record(stream)
+                        parking.park(second)
+                        armed_at_once.append(parking._has_signal(second))
+                        parking.unpark(second)
+                        second_gate.release()
+
+                tg.start_soon(wake_then_park)
+                await until(lambda: asyncfence.current_statistics().armed == 1)
+                gate.release()
+    assert armed_at_once == [True]
+
+
+@pytest.mark.usefixtures("only_signals_wake")
 async def test_a_reader_that_raises_leaves_the_loop_and_its_waits_working(
     stream: Any,
     wake_path: str,
