@@ -655,6 +655,12 @@ async def test_a_parked_wait_needs_no_thread(stream: Any, wake_path: str) -> Non
         assert asyncfence.current_statistics().rechecks == 0
 
 
+async def parked_wait_noted(fence: asyncfence.Fence, name: str, notes: list[str]) -> None:
+    """Wait for ``fence`` with the "park" strategy, then note ``name``."""
+    await fence.wait(strategy="park")
+    notes.append(name)
+
+
 @pytest.mark.usefixtures("only_signals_wake")
 async def test_an_older_fence_parked_after_a_newer_one_wakes_by_its_own_signal(
     stream: Any,
@@ -664,15 +670,10 @@ async def test_an_older_fence_parked_after_a_newer_one_wakes_by_its_own_signal(
         with hold(stream) as later_gate:
             newer = asyncfence.record(stream)
             woken: list[str] = []
-
-            async def wait(name: str, fence: asyncfence.Fence) -> None:
-                await fence.wait(strategy="park")
-                woken.append(name)
-
             async with anyio.create_task_group() as tg:
-                tg.start_soon(wait, "newer", newer)
+                tg.start_soon(parked_wait_noted, newer, "newer", woken)
                 await until(lambda: asyncfence.current_statistics().parked == 1)
-                tg.start_soon(wait, "older", older)
+                tg.start_soon(parked_wait_noted, older, "older", woken)
                 await until(lambda: asyncfence.current_statistics().parked == 2)
                 gate.release()  # the older completes; the newer is still held
                 with anyio.fail_after(10):  # the re-check is 30 s away
@@ -712,13 +713,9 @@ async def test_a_signal_that_comes_before_its_fence_completes_arms_it_again(
     assert asyncfence.current_statistics().parked == 0
 
 
-@pytest.mark.usefixtures("only_signals_wake")
-async def test_a_woken_task_runs_before_the_rest_of_its_wake(
-    stream: Any, wake_path: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The wake does only what the woken task needs. The rest (the fences
-    # behind on the queue, the bookkeeping, releasing the marker, arming the
-    # next signals) runs once the woken task has, and none of it is lost.
+@pytest.fixture
+def rests_of_wakes(wake_path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A list that gets "rest" each time the rest of a native wake runs."""
     if wake_path != "native":
         pytest.skip("the native shim is not in use in this run")
     events: list[str] = []
@@ -729,18 +726,24 @@ async def test_a_woken_task_runs_before_the_rest_of_its_wake(
         rest_of_wake(self)
 
     monkeypatch.setattr(_poller._NativeParking, "_after_signals", recorded_rest)
+    return events
+
+
+@pytest.mark.usefixtures("only_signals_wake")
+async def test_a_woken_task_runs_before_the_rest_of_its_wake(
+    stream: Any, rests_of_wakes: list[str]
+) -> None:
+    # The wake does only what the woken task needs. The rest (the fences
+    # behind on the queue, the bookkeeping, releasing the marker, arming the
+    # next signals) runs once the woken task has, and none of it is lost.
+    events = rests_of_wakes
     with hold(stream) as gate:
         first = asyncfence.record(stream)
         second = asyncfence.record(stream)  # parked behind it: no signal of its own
-
-        async def wait(name: str, fence: asyncfence.Fence) -> None:
-            await fence.wait(strategy="park")
-            events.append(name)
-
         async with anyio.create_task_group() as tg:
-            tg.start_soon(wait, "first", first)
+            tg.start_soon(parked_wait_noted, first, "first", events)
             await until(lambda: asyncfence.current_statistics().parked == 1)
-            tg.start_soon(wait, "second", second)
+            tg.start_soon(parked_wait_noted, second, "second", events)
             await until(lambda: asyncfence.current_statistics().parked == 2)
             assert asyncfence.current_statistics().armed == 1
             gate.release()
@@ -757,21 +760,11 @@ async def test_a_woken_task_runs_before_the_rest_of_its_wake(
 
 @pytest.mark.usefixtures("only_signals_wake")
 async def test_a_fence_parked_by_a_task_just_woken_gets_its_signal_at_once(
-    stream: Any, wake_path: str, monkeypatch: pytest.MonkeyPatch
+    stream: Any, rests_of_wakes: list[str]
 ) -> None:
     # A task in a loop of record-and-await parks its next fence before the
     # rest of its last wake ran: the fence that woke it must not stand in
     # front of the new one, which would then wait for the rest to be armed.
-    if wake_path != "native":
-        pytest.skip("the native shim is not in use in this run")
-    rests: list[int] = []
-    rest_of_wake = _poller._NativeParking._after_signals
-
-    def counted_rest(self: _poller._NativeParking) -> None:
-        rests.append(1)
-        rest_of_wake(self)
-
-    monkeypatch.setattr(_poller._NativeParking, "_after_signals", counted_rest)
     armed_at_once: list[bool] = []
     with hold(stream) as gate:
         first = asyncfence.record(stream)
@@ -780,7 +773,7 @@ async def test_a_fence_parked_by_a_task_just_woken_gets_its_signal_at_once(
 
                 async def wake_then_park() -> None:
                     await first.wait(strategy="park")
-                    assert not rests  # the rest of this wake has not run yet
+                    assert not rests_of_wakes  # the rest of this wake has not run yet
                     parking = current_poller()._parking
                     assert isinstance(parking, _poller._NativeParking)
                     with hold(stream) as second_gate:
