@@ -221,6 +221,9 @@ async def test_ten_thousand_fences_on_eight_streams_reuse_pooled_events(
                     tg.start_soon(fence.wait)
             assert all(fence.done() for fence in fences)
             del fences
+            # A few loop turns: the rest of each wake, which runs once the
+            # woken tasks have, returns their fences' events to the pool.
+            await let_loop_run()
 
     # Events neither pooled for fences nor held by one (the lab's raw events,
     # say, which calibrating busy work uses): the same before and after.
