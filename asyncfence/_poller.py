@@ -811,8 +811,7 @@ class Poller:
         The rest waits: the fence is forgotten by :meth:`_tidy_woken`, and its
         marker released by ``fence._release_if_settled()``.
         """
-        waiters = self._waiters.get(fence)
-        if waiters is None:
+        if fence not in self._waiters:
             return
         unexpected = None
         try:
@@ -820,9 +819,7 @@ class Poller:
                 return
         except Exception as error:  # a backend bug must reach the waiters
             unexpected = error
-        del self._waiters[fence]
-        self._waiter_count -= len(waiters)
-        self._wake(fence, waiters, unexpected)
+        self._wake(fence, self._take_waiters(fence), unexpected)
 
     def _tidy_woken(self, fence: Fence) -> None:
         """After :meth:`_wake_if_settled`: forget the fence, if nothing else waits for it."""
