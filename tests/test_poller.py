@@ -789,13 +789,60 @@ async def test_a_fence_parked_by_a_task_just_woken_gets_its_signal_at_once(
     assert armed_at_once == [True]
 
 
+@pytest.fixture
+def takes_noted(wake_path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A list that gets "take" each time a native wake asks the shim for its signals."""
+    if wake_path != "native":
+        pytest.skip("the native shim is not in use in this run")
+    events: list[str] = []
+    take_with = _poller.NativeMailbox._take_with
+
+    def noted_take(self: _poller.NativeMailbox, take: Any) -> list[int]:
+        events.append("take")
+        return take_with(self, take)
+
+    monkeypatch.setattr(_poller.NativeMailbox, "_take_with", noted_take)
+    return events
+
+
+@pytest.mark.parametrize("armed", [1, 2], ids=["one-signal-armed", "two-signals-armed"])
+@pytest.mark.usefixtures("only_signals_wake")
+async def test_a_wake_asks_the_shim_first_only_with_more_than_one_signal_armed(
+    stream: Any, device: OpenCLDevice, armed: int, takes_noted: list[str]
+) -> None:
+    # With one signal armed, the fd being readable says which fired: the
+    # woken task runs before the shim is asked (its take comes with the rest).
+    events = takes_noted
+    other = device.new_stream()
+    with hold(stream) as gate, hold(other) as other_gate:
+        fence = asyncfence.record(stream)
+        bystander = asyncfence.record(other)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(parked_wait_noted, fence, "woken", events)
+            if armed == 2:
+                tg.start_soon(parked_wait_noted, bystander, "bystander", events)
+            await until(lambda: asyncfence.current_statistics().armed == armed)
+            events.clear()
+            gate.release()
+            with anyio.fail_after(10):  # the re-check is 30 s away
+                await until(lambda: "woken" in events)
+                await until(lambda: fence._marker is None)  # released by the rest
+            assert events[:2] == (["woken", "take"] if armed == 1 else ["take", "woken"])
+            other_gate.release()
+    assert asyncfence.current_statistics().parked == 0
+
+
+@pytest.mark.parametrize("armed", [1, 2], ids=["one-signal-armed", "two-signals-armed"])
 @pytest.mark.usefixtures("only_signals_wake")
 async def test_a_reader_that_raises_leaves_the_loop_and_its_waits_working(
     stream: Any,
+    device: OpenCLDevice,
+    armed: int,
     wake_path: str,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    # One signal armed: the rest of the wake raises. Two: the wake itself.
     if wake_path != "native":
         pytest.skip("the native shim is not in use in this run")
     take_with = _poller.NativeMailbox._take_with
@@ -808,20 +855,28 @@ async def test_a_reader_that_raises_leaves_the_loop_and_its_waits_working(
             raise RuntimeError("a bug in the wake path")
         return take_with(self, take)
 
-    monkeypatch.setattr(_poller.NativeMailbox, "_take_with", take_failing_once)
+    other = device.new_stream()
     with caplog.at_level(logging.ERROR, "asyncfence.loops"), hold(stream) as gate:
         fence = asyncfence.record(stream)
-        # Its fd stays readable, so the reader runs again: the re-check is 30 s away.
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(partial(fence.wait, strategy="park"))
-                await until(lambda: asyncfence.current_statistics().armed == 1)
-                gate.release()
-    assert calls >= 2
+        with hold(other) as other_gate:
+            bystander = asyncfence.record(other)
+            # Its fd stays readable, so the reader runs again: the re-check is 30 s away.
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(partial(fence.wait, strategy="park"))
+                    if armed == 2:
+                        tg.start_soon(partial(bystander.wait, strategy="park"))
+                    await until(lambda: asyncfence.current_statistics().armed == armed)
+                    monkeypatch.setattr(_poller.NativeMailbox, "_take_with", take_failing_once)
+                    gate.release()
+                    await until(fence.done)
+                    other_gate.release()
+                await until(lambda: calls >= 2)
     assert "the native mailbox's reader raised" in caplog.text
     later = asyncfence.record(stream)
     await later.wait(strategy="park")
-    assert asyncfence.current_statistics().parked == 0
+    stats = asyncfence.current_statistics()
+    assert (stats.waiters, stats.parked) == (0, 0)
 
 
 @pytest.mark.usefixtures("only_signals_wake")
