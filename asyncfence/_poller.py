@@ -466,18 +466,19 @@ class _NativeParking:
         stays readable, and the driver calls again once the woken tasks have
         run. That call drains the fd, wakes what fired meanwhile, and does the
         rest (:meth:`_after_signals`). With a single signal armed, the first
-        call does not even ask the shim (a foreign call is the costliest line
-        there): that signal is the one that fired, unless its fence is still
-        pending, and then the shim is asked after all.
+        call does not even ask the shim which fired: a foreign call is the
+        costliest line there.
         """
         if self._rest_pending:
             self._rest_pending = False
             self._wake_fired(self._mailbox.take())
             self._after_signals()
             return False
-        if (len(self._fence_of) == 1 and self._wake_sole_signal()) or self._wake_fired(
-            self._mailbox.take_undrained()
-        ):
+        # With one signal armed, it is the one that fired: no need to ask the
+        # shim. Should its fence be pending still (a collected fence's signal
+        # made the fd readable, say), the rest of the wake arms it again.
+        sole = list(self._fence_of) if len(self._fence_of) == 1 else None
+        if self._wake_fired(sole or self._mailbox.take_undrained()):
             self._rest_pending = True
             return True
         # Nothing taken (a leftover from a wake a waker raised through): drain
@@ -486,24 +487,6 @@ class _NativeParking:
         if self._fired:
             self._after_signals()
         return False
-
-    def _wake_sole_signal(self) -> bool:
-        """Wake the waiters of the one fence with an armed signal, if it settled.
-
-        Its token stays in the mailbox, taken (and ignored) by the next take.
-        False if that fence is still pending or its query raised: the fd is
-        readable for some other signal (a collected fence's), or the waiters
-        must get the error; the shim is asked, as for any wake.
-        """
-        ((token, ref),) = self._fence_of.items()
-        fence = ref()
-        try:
-            if fence is None or fence._poll(keep_marker=True) == PENDING:
-                return False
-        except Exception:  # _wake_if_settled queries again and hands it on
-            return False
-        self._wake_fired([token])
-        return True
 
     def _wake_fired(self, tokens: list[int]) -> int:
         """Wake the waiters of the fences these signals belong to, if settled; how many."""
