@@ -61,8 +61,9 @@ class _Suspender(Protocol):
     async def suspend(self, waiter: Waiter, seconds: float, abort: Callable[[], None]) -> bool:
         """Sleep until ``waiter`` is woken (True) or ``seconds`` pass (False).
 
-        ``abort()`` unregisters the waiter; it runs before the task resumes
-        from a cancellation or a timeout, so that no wake can arrive late.
+        ``abort()`` unregisters the waiter, for a loop that must be told at
+        once that a cancelled task will not be woken (trio's abort function).
+        The caller unregisters it too, however the wait ends unwoken.
         """
         ...
 
@@ -84,11 +85,13 @@ async def wait_for_fence(fence: Fence, seconds: float, strategy: Strategy) -> No
         return
     poller = loop.poller
     waiter = loop.new_waiter()
+    woken = False
     try:
         poller.add(fence, waiter, strategy)
         woken = await loop.suspend(waiter, seconds, lambda: poller.discard(fence, waiter))
     finally:
-        poller.discard(fence, waiter)
+        if not woken:  # cancelled, timed out or failed: a wake unregisters its waiters
+            poller.discard(fence, waiter)
     if not woken:
         _settled_outcome(fence, seconds)
 
@@ -307,12 +310,14 @@ class _AsyncioDriver:
             loop = self._loop()
             assert loop is not None
             timer = loop.call_later(seconds, _expire, waiter.future)
+        # No abort(): a cancellation unwinds through the caller, which
+        # unregisters the waiter, and a wake that comes late finds its future
+        # done.
         try:
             return await waiter.future
         finally:
             if timer is not None:
                 timer.cancel()
-            abort()
 
 
 _unattributable: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncioDriver] = (
