@@ -713,20 +713,27 @@ async def test_a_signal_that_comes_before_its_fence_completes_arms_it_again(
     assert asyncfence.current_statistics().parked == 0
 
 
-@pytest.fixture
-def rests_of_wakes(wake_path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """A list that gets "rest" each time the rest of a native wake runs."""
+def noted_calls(
+    monkeypatch: pytest.MonkeyPatch, wake_path: str, owner: type, name: str, note: str
+) -> list[str]:
+    """A list that gets ``note`` each time the native wake path calls ``owner.name``."""
     if wake_path != "native":
         pytest.skip("the native shim is not in use in this run")
     events: list[str] = []
-    rest_of_wake = _poller._NativeParking._after_signals
+    original = getattr(owner, name)
 
-    def recorded_rest(self: _poller._NativeParking) -> None:
-        events.append("rest")
-        rest_of_wake(self)
+    def noted(*args: Any) -> Any:
+        events.append(note)
+        return original(*args)
 
-    monkeypatch.setattr(_poller._NativeParking, "_after_signals", recorded_rest)
+    monkeypatch.setattr(owner, name, noted)
     return events
+
+
+@pytest.fixture
+def rests_of_wakes(wake_path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A list that gets "rest" each time the rest of a native wake runs."""
+    return noted_calls(monkeypatch, wake_path, _poller._NativeParking, "_after_signals", "rest")
 
 
 @pytest.mark.usefixtures("only_signals_wake")
@@ -792,17 +799,7 @@ async def test_a_fence_parked_by_a_task_just_woken_gets_its_signal_at_once(
 @pytest.fixture
 def takes_noted(wake_path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """A list that gets "take" each time a native wake asks the shim for its signals."""
-    if wake_path != "native":
-        pytest.skip("the native shim is not in use in this run")
-    events: list[str] = []
-    take_with = _poller.NativeMailbox._take_with
-
-    def noted_take(self: _poller.NativeMailbox, take: Any) -> list[int]:
-        events.append("take")
-        return take_with(self, take)
-
-    monkeypatch.setattr(_poller.NativeMailbox, "_take_with", noted_take)
-    return events
+    return noted_calls(monkeypatch, wake_path, _poller.NativeMailbox, "_take_with", "take")
 
 
 @pytest.mark.parametrize("armed", [1, 2], ids=["one-signal-armed", "two-signals-armed"])
