@@ -67,6 +67,23 @@ class Device:
     def raw_done(self, event: Any) -> None:
         """The caller has finished with ``event`` (a pooled one goes back)."""
 
+    def stamp_streams(self) -> bool:
+        """Have the streams created from now on timestamp their events, if the runtime can.
+
+        Returns:
+            Whether :meth:`raw_finished_at` can then tell when the device
+            finished an event. False here: a runtime must stamp on a host clock.
+        """
+        return False
+
+    def raw_finished_at(self, event: Any) -> float | None:
+        """When the device finished ``event`` (complete), on :func:`time.perf_counter`'s clock.
+
+        ``None`` where the runtime does not say: no stamps, or the event's
+        stream was created before :meth:`stamp_streams`.
+        """
+        return None
+
     def close(self) -> None:
         """Release what the raw events hold (the streams are the caller's)."""
 

@@ -9,8 +9,9 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from asyncfence._tools.bench import runner
 from asyncfence._tools.bench.base import (
     AUTO,
     CONTENDER_ORDER,
+    DEVICE_FINISH,
     PARK,
     POLL,
     SLEEP_0,
@@ -32,13 +34,19 @@ from asyncfence._tools.bench.signal_hold import PYTHON_CALLBACK, native_label
 from asyncfence._tools.bench.targets import (
     Contender,
     contenders,
+    device_finish,
     make_target,
     probe_contenders,
 )
 from asyncfence._tools.measure import percentile, plural
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
 ROOT = Path(__file__).resolve().parent.parent
 EVERYONE = [AUTO, PARK, POLL, TO_THREAD, SLEEP_1MS, SLEEP_0]
+# What the latency scenarios time on OpenCL: every contender, and the device's own row.
+TIMED = [*EVERYONE, DEVICE_FINISH]
 LATENCY = [
     "wake_latency",
     "wake_latency_short_work",
@@ -224,6 +232,123 @@ def test_a_contender_whose_probe_fails_is_left_out_with_the_reason() -> None:
     }
 
 
+# -- the device's own row ------------------------------------------------------------------
+
+
+@pytest.fixture
+def stamped_device() -> Iterator[Any]:
+    """A device of its own (stamping changes every queue it makes from then on)."""
+    from asyncfence._backends.opencl._lab import OpenCLLab
+
+    device = OpenCLLab().open_device()
+    try:
+        yield device
+    finally:
+        device.close()
+
+
+def test_pocl_stamps_a_marker_done_between_its_release_and_the_end_of_the_wait(
+    stamped_device: Any,
+) -> None:
+    from asyncfence.testing import StreamGate
+
+    unstamped = stamped_device.new_stream()
+    stamped = stamped_device.stamp_streams()
+    if "Portable Computing Language" in stamped_device.name:
+        assert stamped  # PoCL stamps on CLOCK_MONOTONIC_RAW
+    elif not stamped:
+        pytest.skip(f"{stamped_device.name} stamps on none of the host clocks tried")
+    stream = stamped_device.new_stream()
+    for _ in range(5):
+        gate = StreamGate(stream)
+        marker = stamped_device.raw_record(stream)
+        released = time.perf_counter()
+        gate.release()
+        stamped_device.raw_block(marker)
+        returned = time.perf_counter()
+        finished = stamped_device.raw_finished_at(marker)
+        assert finished is not None
+        assert released <= finished <= returned  # on perf_counter's clock, so ordered
+    # A queue made before stamping has no stamps to read.
+    old = stamped_device.raw_record(unstamped)
+    stamped_device.raw_block(old)
+    assert stamped_device.raw_finished_at(old) is None
+
+
+def test_stamps_on_a_clock_other_than_the_ones_tried_give_no_row(
+    stamped_device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncfence._backends.opencl import _lab
+
+    # PoCL stamps on CLOCK_MONOTONIC_RAW; the wall clock is never within microseconds of it.
+    monkeypatch.setattr(_lab, "_STAMP_CLOCKS", ("CLOCK_REALTIME",))
+    assert not stamped_device.stamp_streams()
+    stream = stamped_device.new_stream()
+    marker = stamped_device.raw_record(stream)
+    stamped_device.raw_block(marker)
+    assert stamped_device.raw_finished_at(marker) is None
+    assert device_finish(make_target(stamped_device)) is None
+
+
+def test_a_device_without_host_clock_stamps_has_no_row() -> None:
+    from asyncfence._devices import Device
+
+    device = Device()
+    assert not device.stamp_streams()
+    assert device.raw_finished_at(object()) is None
+    target = make_target(device)
+    assert not target.stamped
+    assert device_finish(target) is None
+
+
+def test_the_device_row_runs_to_the_stamp_and_a_missing_one_counts_as_a_timeout(
+    stamped_device: Any,
+) -> None:
+    target = make_target(stamped_device)
+    row = device_finish(target)
+    assert row is not None
+    assert row.name == DEVICE_FINISH
+    stamps = {"stamped": 1.5, "unstamped": None}
+    row = dataclasses.replace(row, finished_at=stamps.__getitem__)
+    assert row.ended("stamped", resumed=2.0) == 1.5
+    assert row.ended("unstamped", resumed=2.0) == math.inf
+    assert row.ended("stamped", resumed=math.inf) == math.inf  # the wait itself timed out
+    waiting = next(c for c in contenders(target) if c.name == AUTO)
+    assert waiting.ended("anything", resumed=2.0) == 2.0
+
+
+def test_every_latency_scenario_times_the_device_row_to_its_stamp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def stamped_at_zero(target: Any) -> Contender | None:
+        row = device_finish(target)
+        assert row is not None
+        return dataclasses.replace(row, finished_at=lambda token: 0.0)
+
+    monkeypatch.setattr(runner, "device_finish", stamped_at_zero)
+    timed = [key for key in LATENCY if key != "out_of_order_park"]
+    report = runner.run_bench(device="opencl", config=ON_EACH_LOOP, scenarios=timed, quiet=True)
+    for key in timed:
+        samples = report["samples"][f"{key}_s"]
+        assert list(samples) == TIMED, key
+        # From each release's stamp (perf_counter's, so positive) to the zero stamp.
+        assert all(value < 0 for value in samples[DEVICE_FINISH] if value is not None), key
+        assert all(value > 0 for value in samples[AUTO] if value is not None), key
+
+
+def test_the_device_row_is_below_every_way_to_wait_in_the_tables() -> None:
+    us = 1e-6
+    results = Results(meta={"device_row": True})
+    results.latency["wake_latency"] = {
+        DEVICE_FINISH: [30 * us],
+        SLEEP_0: [50 * us],
+        TO_THREAD: [300 * us],
+    }
+    summary = summarize(results)
+    assert list(summary["wake_latency"]) == [TO_THREAD, SLEEP_0, DEVICE_FINISH]
+    assert summary["wake_latency"][DEVICE_FINISH]["p50_vs_to_thread"] == pytest.approx(0.1)
+
+
 @pytest.fixture
 def with_broken_contender(monkeypatch: pytest.MonkeyPatch) -> None:
     def more(target: Any) -> list[Contender]:
@@ -245,7 +370,7 @@ def test_a_run_leaves_out_a_contender_that_cannot_run(
         "numba async_done": "AttributeError: 'CUstream' object has no attribute 'value'"
     }
     assert written["meta"]["contenders"] == EVERYONE
-    assert list(written["summary"]["wake_latency"]) == EVERYONE
+    assert list(written["summary"]["wake_latency"]) == TIMED
     assert report["meta"]["left_out"] == written["meta"]["left_out"]
     captured = capsys.readouterr()
     assert "left out numba async_done: AttributeError" in captured.err  # at once
@@ -290,6 +415,7 @@ def test_every_scenario_runs_on_uvloop_and_trio(loop: str, tmp_path: Path) -> No
     assert meta["loop"] == loop
     assert meta["completed"] == meta["scenarios"]
     assert meta["contenders"] == EVERYONE
+    assert meta["device_row"] is True
     # to_thread runs on trio's default limiter of 40 threads, on asyncio's default executor.
     assert meta["default_executor_workers"] == (
         40 if loop == "trio" else default_executor_workers()
@@ -298,6 +424,7 @@ def test_every_scenario_runs_on_uvloop_and_trio(loop: str, tmp_path: Path) -> No
     check_every_scenario(
         report["summary"],
         EVERYONE,
+        device_row=True,
         thread_pool=meta["default_executor_workers"],
         parked_queues=ON_EACH_LOOP.parked_queues,
     )
@@ -378,10 +505,15 @@ def check_every_scenario(
     summary: dict[str, Any],
     names: list[str],
     *,
+    device_row: bool,
     thread_pool: int | None = None,
     parked_queues: int = BenchConfig.smoke().parked_queues,
 ) -> None:
     """Every figure of a quick run, sane; ``to_thread`` used at most ``thread_pool`` threads.
+
+    The device's own row, where it has one, is in the latency scenarios but
+    the out-of-order one (only the contenders that park are there), and in
+    no other: it is not a way to wait.
 
     asyncio's ``to_thread`` starts from a fresh default executor, so it starts
     at least one thread; trio's keeps idle threads for a while and may need none.
@@ -389,6 +521,8 @@ def check_every_scenario(
     for key in LATENCY:
         parks = (AUTO, PARK, POLL, TO_THREAD)
         expected = [n for n in names if key != "out_of_order_park" or n in parks]
+        if device_row and key != "out_of_order_park":
+            expected.append(DEVICE_FINISH)
         figures = summary[key]
         assert list(figures) == expected, key
         for name, f in figures.items():
@@ -452,11 +586,12 @@ def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) 
     assert meta["cpu_count"] >= 1
     assert meta["default_executor_workers"] == default_executor_workers()
     assert meta["contenders"] == EVERYONE
+    assert meta["device_row"] is True
     assert meta["left_out"] == {}
     assert meta["completed"] == meta["scenarios"]
     assert "incomplete" not in meta
     assert "signal_hold" not in meta["scenarios"]  # a CUDA-only scenario
-    check_every_scenario(summary, EVERYONE)
+    check_every_scenario(summary, EVERYONE, device_row=True)
     drop = summary["drop_queue"]
     ours, lazy = drop["asyncfence DropQueue"], drop["lazy pool (free at next alloc)"]
     assert ours["objects"] == lazy["objects"] == 10_000
@@ -470,6 +605,7 @@ def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) 
         assert 0 < figures["release_latency_p50_us"] <= figures["release_latency_p99_us"]
     for table in ("saturated loop", "CPU-bound", "out-of-order", "parked waits", "throughput"):
         assert table in result.stdout
+    assert "device finished: the instant the device stamped" in result.stdout
     assert "1 task" in result.stdout
     assert "1 tasks" not in result.stdout
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -507,7 +643,8 @@ def test_quick_bench_on_the_emulated_cuda_driver(
     names = [n for n in CONTENDER_ORDER if n in meta["contenders"]]
     assert names == meta["contenders"]
     assert set(EVERYONE) <= set(names)
-    check_every_scenario(report["summary"], names)
+    assert meta["device_row"] is False  # CUDA events have no host-clock stamps
+    check_every_scenario(report["summary"], names, device_row=False)
     hold = report["summary"]["signal_hold"]
     assert set(hold) == {native_label(path, meta["wake_path"] == "native"), PYTHON_CALLBACK}
     for figures in hold.values():

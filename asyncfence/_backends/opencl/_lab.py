@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, cast
 
 from ..._backend import GateParts
 from ..._devices import CHUNK_BYTES, Device
@@ -11,6 +12,10 @@ if TYPE_CHECKING:
     import pyopencl as cl
 
 __all__ = ["OpenCLDevice", "OpenCLLab"]
+
+# The host clocks a runtime's profiling stamps may come from: PoCL's is
+# CLOCK_MONOTONIC_RAW; the OpenCL specification names none.
+_STAMP_CLOCKS = ("CLOCK_MONOTONIC_RAW", "CLOCK_MONOTONIC")
 
 
 class OpenCLDevice(Device):
@@ -24,15 +29,68 @@ class OpenCLDevice(Device):
         device = context.devices[0]
         self.name = f"{device.name.strip()} ({device.platform.name.strip()})"
         self._buffers: tuple[cl.Buffer, cl.Buffer] | None = None
+        # The host clock of the profiling stamps, once stamp_streams found it.
+        self._stamp_clock: int | None = None
 
     def new_stream(self, *, in_order: bool = True) -> cl.CommandQueue:
         """Create a command queue, in order unless asked otherwise."""
         import pyopencl as cl
 
-        if in_order:
-            return cl.CommandQueue(self.context)
-        props = cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE
-        return cl.CommandQueue(self.context, properties=props)
+        props = 0 if in_order else cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE
+        if self._stamp_clock is not None:
+            props |= cl.command_queue_properties.PROFILING_ENABLE
+        # A bit field: the stubs type one flag, the runtime takes any union.
+        return cl.CommandQueue(self.context, properties=cast("cl.command_queue_properties", props))
+
+    def stamp_streams(self) -> bool:
+        """Create profiling queues from now on, if their stamps are on a known host clock."""
+        self._stamp_clock = self._find_stamp_clock()
+        return self._stamp_clock is not None
+
+    def _find_stamp_clock(self) -> int | None:
+        """The host clock the runtime stamps events with, or ``None`` if none of the usual.
+
+        A marker's queued stamp is taken inside the enqueue call, so on the
+        right clock it falls between the readings taken on either side of it.
+        """
+        import pyopencl as cl
+
+        clocks = [int(getattr(time, name)) for name in _STAMP_CLOCKS if hasattr(time, name)]
+        if not clocks or not hasattr(time, "clock_gettime_ns"):
+            return None  # Windows
+        props = cl.command_queue_properties.PROFILING_ENABLE
+        try:
+            queue = cl.CommandQueue(self.context, properties=props)
+            before = [time.clock_gettime_ns(clock) for clock in clocks]
+            marker = cl.enqueue_marker(queue)
+            after = [time.clock_gettime_ns(clock) for clock in clocks]
+            marker.wait()
+            queued = marker.get_profiling_info(cl.profiling_info.QUEUED)
+        except cl.Error:  # a runtime that cannot profile
+            return None
+        if not isinstance(queued, int):
+            return None
+        for clock, low, high in zip(clocks, before, after, strict=True):
+            if low <= queued <= high:
+                return clock
+        return None
+
+    def raw_finished_at(self, event: cl.Event) -> float | None:
+        """The marker's end stamp, moved onto :func:`time.perf_counter`'s clock."""
+        import pyopencl as cl
+
+        if self._stamp_clock is None:
+            return None
+        try:
+            end = event.get_profiling_info(cl.profiling_info.END)
+        except cl.Error:  # PROFILING_INFO_NOT_AVAILABLE: a queue made before stamp_streams
+            return None
+        if not isinstance(end, int):
+            return None
+        host_before = time.perf_counter()
+        stamp_now = time.clock_gettime_ns(self._stamp_clock)
+        host_after = time.perf_counter()
+        return (host_before + host_after) / 2 - (stamp_now - end) / 1e9
 
     def close_stream(self, stream: cl.CommandQueue) -> None:
         """Wait for the work queued on ``stream``; pyopencl releases it with the object."""

@@ -4,7 +4,10 @@ All contenders run in one process, on one device, interleaved trial by trial
 so that drift on a noisy machine hits them alike: asyncfence's ``auto``,
 ``park`` and ``poll``; ``to_thread`` (a blocking wait on asyncio's default
 executor); hand-written ``sleep(1ms)`` and ``sleep(0)`` polling loops (the
-latter is the busy-poll *floor*); numba-cuda's ``async_done`` on CUDA. Each
+latter is the busy-poll *floor*); numba-cuda's ``async_done`` on CUDA. The
+latency tables add the device's own row where its events carry stamps on a
+host clock (OpenCL profiling): when the device finished, which no wait can
+beat (:func:`.targets.device_finish`). Each
 contender is probed once at setup; one that fails is left out, with the
 reason in the report (``meta.left_out``). Figures are percentiles over trials;
 ratios and overheads are taken within the run.

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AUTO",
     "CONTENDER_ORDER",
+    "DEVICE_FINISH",
     "LATE_AFTER_S",
     "NUMBA",
     "PARK",
@@ -50,13 +51,15 @@ TO_THREAD = "to_thread"
 SLEEP_1MS = "sleep(1ms) loop"
 SLEEP_0 = "sleep(0) loop"
 NUMBA = "numba async_done"
+#: Not a way to wait: when the device itself finished, by its own stamps.
+DEVICE_FINISH = "device finished"
 
 #: A wake later than this is "late" beside a CPU-bound thread: more than two
 #: of CPython's 5 ms GIL switch intervals.
 LATE_AFTER_S = 0.011
 
 #: The order every table lists contenders in.
-CONTENDER_ORDER = (AUTO, PARK, POLL, TO_THREAD, SLEEP_1MS, SLEEP_0, NUMBA)
+CONTENDER_ORDER = (AUTO, PARK, POLL, TO_THREAD, SLEEP_1MS, SLEEP_0, NUMBA, DEVICE_FINISH)
 
 _Value = TypeVar("_Value")
 

@@ -76,19 +76,20 @@ async def _one_waiter(
     shared = None if fresh_queue else target.new_stream()
     with Releaser() as releaser:
         for trial in range(trials + warm_up):
-            for contender in rng.sample(ctx.entrants, len(ctx.entrants)):
+            for contender in rng.sample(ctx.timed, len(ctx.timed)):
                 stream = target.device.new_stream() if shared is None else shared
                 gate = StreamGate(stream)
                 token = contender.record(stream)
                 stamps = releaser.release_after(rng.uniform(*delays), gate)
                 resumed = await bounded(contender.wait(token), limit_s)
+                ended = contender.ended(token, resumed)
                 if math.isfinite(resumed):
                     contender.done(token)
                 if shared is None:
                     gate.release()  # a no-op unless it timed out before the releaser ran
                     target.device.close_stream(stream)
                 if trial or not warm_up:
-                    samples.setdefault(contender.name, []).append(latency(resumed, stamps))
+                    samples.setdefault(contender.name, []).append(latency(ended, stamps))
 
 
 async def wake_latency(ctx: Context) -> None:
@@ -126,7 +127,7 @@ async def many_queues(ctx: Context) -> None:
     streams = [target.new_stream() for _ in range(config.many_queues)]
     with Releaser() as releaser:
         for trial in range(config.many_rounds + 1):
-            for contender in rng.sample(ctx.entrants, len(ctx.entrants)):
+            for contender in rng.sample(ctx.timed, len(ctx.timed)):
                 gates = [StreamGate(stream) for stream in streams]
                 tokens = [contender.record(stream) for stream in streams]
                 order = rng.sample(range(len(streams)), len(streams))
@@ -138,13 +139,14 @@ async def many_queues(ctx: Context) -> None:
                 resumed = await gather(
                     *(bounded(contender.wait(t), config.trial_timeout_s) for t in tokens)
                 )
+                ended = [contender.ended(t, r) for t, r in zip(tokens, resumed, strict=True)]
                 for index, token in enumerate(tokens):
                     if math.isfinite(resumed[index]):
                         contender.done(token)
                 if trial:
                     sample = samples.setdefault(contender.name, [])
                     for turn, index in enumerate(order):
-                        sample.append(latency(resumed[index], stamps, turn))
+                        sample.append(latency(ended[index], stamps, turn))
                 for gate in gates:
                     gate.release()  # no-ops, unless a wait timed out before its release
 
@@ -186,7 +188,7 @@ async def _saturated_trials(ctx: Context) -> None:
     config, target, samples = ctx.config, ctx.target, _samples(ctx, "wake_saturated_loop")
     rng = random.Random(5)
     stream = target.new_stream()
-    active = list(ctx.entrants)
+    active = list(ctx.timed)
     timeouts_running = dict.fromkeys((c.name for c in active), 0)
     for _ in range(config.saturated_trials):
         for contender in rng.sample(active, len(active)):
@@ -198,7 +200,7 @@ async def _saturated_trials(ctx: Context) -> None:
                 resumed = await bounded(contender.wait(token), config.saturated_timeout_s)
                 release.cancel_scope.cancel()
             gate.release()  # a no-op once released
-            sample = latency(resumed, stamps)
+            sample = latency(contender.ended(token, resumed), stamps)
             samples.setdefault(contender.name, []).append(sample)
             if math.isfinite(sample):
                 contender.done(token)

@@ -24,6 +24,7 @@ import asyncfence
 
 from ..measure import percentile, plural
 from .base import (
+    DEVICE_FINISH,
     LATE_AFTER_S,
     SLEEP_0,
     TO_THREAD,
@@ -243,6 +244,7 @@ def describe(device: Device, config: BenchConfig, loop_name: str) -> dict[str, A
         "versions": {name: version for name, version in versions.items() if version},
         "config": asdict(config),
         "contenders": [],
+        "device_row": False,
         "left_out": {},
         "scenarios": [],
         "completed": [],
@@ -424,6 +426,11 @@ def _heading(meta: dict[str, Any]) -> list[str]:
         + (f" | wake path: {meta['wake_path']}" if meta.get("wake_path") else "")
         + (f" | CUDA signal: {meta['cuda_signal']}" if meta.get("cuda_signal") else ""),
     ]
+    if meta.get("device_row"):
+        lines.append(
+            f"{DEVICE_FINISH}: the instant the device stamped each wait's event done, "
+            "which no wait can beat"
+        )
     lines += [f"left out {name}: {reason}" for name, reason in meta.get("left_out", {}).items()]
     if meta.get("incomplete"):
         lines.append(f"INCOMPLETE: {meta['incomplete']}")

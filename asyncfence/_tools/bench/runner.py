@@ -21,7 +21,7 @@ from asyncfence.testing import open_default_device
 from . import drop, latency, load, signal_hold
 from .base import BenchConfig, Results
 from .report import build_report, describe, plot, render, require_matplotlib, write_json
-from .targets import Context, contenders, make_target, probe_contenders
+from .targets import Context, contenders, device_finish, make_target, probe_contenders
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -209,6 +209,14 @@ async def _run(
             target, contenders(target), config.probe_timeout_s, quiet=quiet
         )
         meta["contenders"] = [c.name for c in context.entrants]
+        row = device_finish(target)
+        if row is not None:
+            admitted, left_out = await probe_contenders(
+                target, [row], config.probe_timeout_s, quiet=quiet
+            )
+            context.device_row = admitted[0] if admitted else None
+            meta["left_out"].update(left_out)
+        meta["device_row"] = context.device_row is not None
         plan = [s for s in plan if target.device.backend == "cuda" or not s.cuda_only]
         meta["scenarios"] = [s.key for s in plan]
         if json_path:

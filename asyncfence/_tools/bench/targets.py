@@ -22,6 +22,7 @@ import asyncfence
 
 from .base import (
     AUTO,
+    DEVICE_FINISH,
     NUMBA,
     PARK,
     POLL,
@@ -46,6 +47,7 @@ __all__ = [
     "Context",
     "Target",
     "contenders",
+    "device_finish",
     "make_target",
     "probe_contenders",
 ]
@@ -61,6 +63,9 @@ class Target:
     def __init__(self, device: Device) -> None:
         self.device = device
         self._streams: list[Any] = []
+        #: Whether the device stamps when it finishes each raw event (see
+        #: :func:`device_finish`); asked before any stream exists.
+        self.stamped = device.stamp_streams()
 
     def new_stream(self) -> Any:
         """A stream that :meth:`close` releases."""
@@ -83,6 +88,10 @@ class Target:
     def raw_done(self, event: Any) -> None:
         """The baseline finished with ``event``."""
         self.device.raw_done(event)
+
+    def raw_finished_at(self, event: Any) -> float | None:
+        """When the device finished ``event``, on :func:`time.perf_counter`'s clock, if known."""
+        return self.device.raw_finished_at(event)
 
     def short_work(self, stream: Any) -> None:
         """Queue one piece of short work (a 1 MiB copy or memset)."""
@@ -111,6 +120,9 @@ class Contender:
         wait: Awaits a token.
         done: Called once a token is no longer needed (not after a timeout).
         is_asyncfence: One of asyncfence's strategies.
+        finished_at: Only for the device's own row (:func:`device_finish`):
+            when the device finished a token, which its latency runs to
+            instead of the wait's resumption.
     """
 
     name: str
@@ -118,6 +130,18 @@ class Contender:
     wait: Callable[[Any], Awaitable[None]]
     done: Callable[[Any], None] = lambda token: None
     is_asyncfence: bool = False
+    finished_at: Callable[[Any], float | None] | None = None
+
+    def ended(self, token: Any, resumed: float) -> float:
+        """Where a trial's latency runs to, given the instant its wait resumed.
+
+        That instant itself for a way to wait; the device's own stamp for
+        the device's row (``math.inf`` for a timeout, or a stamp missing).
+        """
+        if self.finished_at is None or not math.isfinite(resumed):
+            return resumed
+        finished = self.finished_at(token)
+        return math.inf if finished is None else finished
 
 
 def contenders(target: Target) -> list[Contender]:
@@ -131,11 +155,6 @@ def contenders(target: Target) -> list[Contender]:
 
     async def to_thread(event: Any) -> None:
         await run_in_thread(lambda: target.raw_block(event))
-
-    # The loops users write by hand; the very thing the linter warns about.
-    async def sleep_loop(event: Any) -> None:
-        while not target.raw_query(event):  # noqa: ASYNC110
-            await anyio.sleep(0.001)
 
     async def busy_loop(event: Any) -> None:
         while not target.raw_query(event):  # noqa: ASYNC110
@@ -152,13 +171,43 @@ def contenders(target: Target) -> list[Contender]:
     ]
     found += [
         Contender(TO_THREAD, target.raw_record, to_thread, target.raw_done),
-        Contender(SLEEP_1MS, target.raw_record, sleep_loop, target.raw_done),
+        Contender(SLEEP_1MS, target.raw_record, _sleep_loop(target), target.raw_done),
         Contender(SLEEP_0, target.raw_record, busy_loop, target.raw_done),
     ]
     numba = _numba_contender(target)
     if numba is not None:
         found.append(numba)
     return found
+
+
+def _sleep_loop(target: Target) -> Callable[[Any], Awaitable[None]]:
+    # The loop users write by hand; the very thing the linter warns about.
+    async def sleep_loop(event: Any) -> None:
+        while not target.raw_query(event):  # noqa: ASYNC110
+            await anyio.sleep(0.001)
+
+    return sleep_loop
+
+
+def device_finish(target: Target) -> Contender | None:
+    """The device's own row: when it finished each raw event, by its own stamps.
+
+    No wait can resume before the device has finished, so this row is the
+    floor under the floor: what is left above it is the cost of learning of
+    the finish and resuming the task. It waits like the ``sleep(1ms)`` loop
+    (no thread, little CPU), but its latency runs to the device's stamp.
+    ``None`` where the device has no stamps on a host clock: CUDA events
+    time only relative to one another.
+    """
+    if not target.stamped:
+        return None
+    return Contender(
+        DEVICE_FINISH,
+        target.raw_record,
+        _sleep_loop(target),
+        target.raw_done,
+        finished_at=target.raw_finished_at,
+    )
 
 
 def _numba_contender(target: Target) -> Contender | None:
@@ -215,13 +264,21 @@ class Context:
         entrants: The contenders admitted by the probe, in table order.
         config: Trial counts and sizes.
         results: Where the scenario writes its samples.
+        device_row: The device's own row (:func:`device_finish`), if it
+            has one: the latency scenarios time it with the entrants.
     """
 
     target: Target
     entrants: list[Contender]
     config: BenchConfig
     results: Results
+    device_row: Contender | None = None
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    @property
+    def timed(self) -> list[Contender]:
+        """What a latency scenario times: the entrants, and the device's row."""
+        return self.entrants + ([] if self.device_row is None else [self.device_row])
 
     def fresh_default_executor(self) -> None:
         """Give the running asyncio loop a new default executor, of the default size.
