@@ -68,19 +68,28 @@ class Device:
         """The caller has finished with ``event`` (a pooled one goes back)."""
 
     def stamp_streams(self) -> bool:
-        """Have the streams created from now on timestamp their events, if the runtime can.
+        """Have the streams created from now on stamp their events, if the runtime can.
+
+        It cannot be undone: the benchmark asks once, before it makes any
+        stream, so that every contender waits on the same kind of stream.
+        OpenCL devices turn profiling on when the stamps are on a host clock.
 
         Returns:
             Whether :meth:`raw_finished_at` can then tell when the device
-            finished an event. False here: a runtime must stamp on a host clock.
+            finished an event. False here: CUDA events time only relative
+            to one another, not on a host clock.
         """
         return False
 
     def raw_finished_at(self, event: Any) -> float | None:
-        """When the device finished ``event`` (complete), on :func:`time.perf_counter`'s clock.
+        """When the device finished ``event``, on :func:`time.perf_counter`'s clock.
 
-        ``None`` where the runtime does not say: no stamps, or the event's
-        stream was created before :meth:`stamp_streams`.
+        Args:
+            event: A complete raw event (:meth:`raw_record`).
+
+        Returns:
+            ``None`` where the runtime does not say: no stamps, or the
+            event's stream was created before :meth:`stamp_streams`.
         """
         return None
 

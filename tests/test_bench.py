@@ -34,7 +34,7 @@ from asyncfence._tools.bench.signal_hold import PYTHON_CALLBACK, native_label
 from asyncfence._tools.bench.targets import (
     Contender,
     contenders,
-    device_finish,
+    device_finish_row,
     make_target,
     probe_contenders,
 )
@@ -287,7 +287,7 @@ def test_stamps_on_a_clock_other_than_the_ones_tried_give_no_row(
     marker = stamped_device.raw_record(stream)
     stamped_device.raw_block(marker)
     assert stamped_device.raw_finished_at(marker) is None
-    assert device_finish(make_target(stamped_device)) is None
+    assert device_finish_row(make_target(stamped_device)) is None
 
 
 def test_a_device_without_host_clock_stamps_has_no_row() -> None:
@@ -298,45 +298,68 @@ def test_a_device_without_host_clock_stamps_has_no_row() -> None:
     assert device.raw_finished_at(object()) is None
     target = make_target(device)
     assert not target.stamped
-    assert device_finish(target) is None
+    assert device_finish_row(target) is None
 
 
 def test_the_device_row_runs_to_the_stamp_and_a_missing_one_counts_as_a_timeout(
     stamped_device: Any,
 ) -> None:
     target = make_target(stamped_device)
-    row = device_finish(target)
+    row = device_finish_row(target)
     assert row is not None
     assert row.name == DEVICE_FINISH
     stamps = {"stamped": 1.5, "unstamped": None}
     row = dataclasses.replace(row, finished_at=stamps.__getitem__)
-    assert row.ended("stamped", resumed=2.0) == 1.5
-    assert row.ended("unstamped", resumed=2.0) == math.inf
-    assert row.ended("stamped", resumed=math.inf) == math.inf  # the wait itself timed out
+    assert row.latency_end("stamped", resumed=2.0) == 1.5
+    assert row.latency_end("unstamped", resumed=2.0) == math.inf
+    assert row.latency_end("stamped", resumed=math.inf) == math.inf  # the wait itself timed out
     waiting = next(c for c in contenders(target) if c.name == AUTO)
-    assert waiting.ended("anything", resumed=2.0) == 2.0
+    assert waiting.latency_end("anything", resumed=2.0) == 2.0
 
 
 def test_every_latency_scenario_times_the_device_row_to_its_stamp(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def stamped_at_zero(target: Any) -> Contender | None:
-        row = device_finish(target)
+    def stamped_at_zero(target: Any) -> Contender:
+        row = device_finish_row(target)
         assert row is not None
         return dataclasses.replace(row, finished_at=lambda token: 0.0)
 
-    monkeypatch.setattr(runner, "device_finish", stamped_at_zero)
+    monkeypatch.setattr(runner, "device_finish_row", stamped_at_zero)
     timed = [key for key in LATENCY if key != "out_of_order_park"]
     report = runner.run_bench(device="opencl", config=ON_EACH_LOOP, scenarios=timed, quiet=True)
     for key in timed:
         samples = report["samples"][f"{key}_s"]
         assert list(samples) == TIMED, key
         # From each release's stamp (perf_counter's, so positive) to the zero stamp.
-        assert all(value < 0 for value in samples[DEVICE_FINISH] if value is not None), key
+        assert samples[DEVICE_FINISH], key
+        assert all(value is not None and value < 0 for value in samples[DEVICE_FINISH]), key
         assert all(value > 0 for value in samples[AUTO] if value is not None), key
 
 
-def test_the_device_row_is_below_every_way_to_wait_in_the_tables() -> None:
+def test_a_device_row_without_stamps_is_left_out_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unstamped(target: Any) -> Contender:
+        row = device_finish_row(target)
+        assert row is not None
+        return dataclasses.replace(row, finished_at=lambda token: None)
+
+    monkeypatch.setattr(runner, "device_finish_row", unstamped)
+    report = runner.run_bench(device="opencl", config=TINY, scenarios=["wake_latency"], quiet=True)
+    meta = report["meta"]
+    assert meta["device_row"] is False
+    assert meta["left_out"] == {DEVICE_FINISH: "the device gave no stamp of its finish"}
+    assert list(report["summary"]["wake_latency"]) == EVERYONE
+
+
+def test_a_run_without_latency_scenarios_has_no_device_row() -> None:
+    report = runner.run_bench(device="opencl", config=TINY, scenarios=["throughput"], quiet=True)
+    assert report["meta"]["device_row"] is False
+    assert report["meta"]["left_out"] == {}
+
+
+def test_the_device_row_is_listed_last_with_no_overhead_above_the_floor() -> None:
     us = 1e-6
     results = Results(meta={"device_row": True})
     results.latency["wake_latency"] = {
@@ -346,7 +369,11 @@ def test_the_device_row_is_below_every_way_to_wait_in_the_tables() -> None:
     }
     summary = summarize(results)
     assert list(summary["wake_latency"]) == [TO_THREAD, SLEEP_0, DEVICE_FINISH]
-    assert summary["wake_latency"][DEVICE_FINISH]["p50_vs_to_thread"] == pytest.approx(0.1)
+    device = summary["wake_latency"][DEVICE_FINISH]
+    assert device["p50_vs_to_thread"] == pytest.approx(0.1)
+    assert device["p50_over_floor_us"] is None
+    assert device["p99_over_floor_us"] is None
+    assert summary["wake_latency"][TO_THREAD]["p50_over_floor_us"] == pytest.approx(250)
 
 
 @pytest.fixture
@@ -541,8 +568,11 @@ def check_every_scenario(
                 continue
             assert floor["p50_over_floor_us"] == 0
             assert floor["p99_over_floor_us"] in (0, None)
-            for f in figures.values():
-                if f["p50_us"] is not None:
+            for name, f in figures.items():
+                if name == DEVICE_FINISH:  # under the floor by its nature: no overhead
+                    assert f["p50_over_floor_us"] is None
+                    assert f["p99_over_floor_us"] is None
+                elif f["p50_us"] is not None:
                     assert f["p50_over_floor_us"] == pytest.approx(f["p50_us"] - floor["p50_us"])
     assert 0 <= summary["wake_cpu_thread"][AUTO]["late_share"] <= 1
     for key in ("cpu_while_parked", "cpu_while_waiting"):

@@ -33,7 +33,11 @@ class OpenCLDevice(Device):
         self._stamp_clock: int | None = None
 
     def new_stream(self, *, in_order: bool = True) -> cl.CommandQueue:
-        """Create a command queue, in order unless asked otherwise."""
+        """Create a command queue, in order unless asked otherwise.
+
+        After :meth:`stamp_streams` has found the stamps' clock, the queue
+        has profiling on.
+        """
         import pyopencl as cl
 
         props = 0 if in_order else cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE
@@ -43,7 +47,13 @@ class OpenCLDevice(Device):
         return cl.CommandQueue(self.context, properties=cast("cl.command_queue_properties", props))
 
     def stamp_streams(self) -> bool:
-        """Create profiling queues from now on, if their stamps are on a known host clock."""
+        """Create profiling queues from now on, if their stamps are on a known host clock.
+
+        Returns:
+            True if the runtime's stamps come from ``CLOCK_MONOTONIC_RAW``
+            (PoCL's) or ``CLOCK_MONOTONIC``; False otherwise (or without
+            ``clock_gettime``, on Windows), and the queues stay as they were.
+        """
         self._stamp_clock = self._find_stamp_clock()
         return self._stamp_clock is not None
 
@@ -51,7 +61,9 @@ class OpenCLDevice(Device):
         """The host clock the runtime stamps events with, or ``None`` if none of the usual.
 
         A marker's queued stamp is taken inside the enqueue call, so on the
-        right clock it falls between the readings taken on either side of it.
+        right clock it falls between the readings taken on either side of
+        it (of the clocks that do, the one nearest the middle); its end
+        stamp falls between that and a reading taken once it is done.
         """
         import pyopencl as cl
 
@@ -65,18 +77,27 @@ class OpenCLDevice(Device):
             marker = cl.enqueue_marker(queue)
             after = [time.clock_gettime_ns(clock) for clock in clocks]
             marker.wait()
+            done = [time.clock_gettime_ns(clock) for clock in clocks]
             queued = marker.get_profiling_info(cl.profiling_info.QUEUED)
+            end = marker.get_profiling_info(cl.profiling_info.END)
         except cl.Error:  # a runtime that cannot profile
             return None
-        if not isinstance(queued, int):
+        if not isinstance(queued, int) or not isinstance(end, int):
             return None
-        for clock, low, high in zip(clocks, before, after, strict=True):
-            if low <= queued <= high:
-                return clock
-        return None
+        fitting = [
+            (abs(queued - (low + high) / 2), clock)
+            for clock, low, high, finished in zip(clocks, before, after, done, strict=True)
+            if low <= queued <= high and queued <= end <= finished
+        ]
+        return min(fitting)[1] if fitting else None
 
     def raw_finished_at(self, event: cl.Event) -> float | None:
-        """The marker's end stamp, moved onto :func:`time.perf_counter`'s clock."""
+        """The marker's end stamp, moved onto :func:`time.perf_counter`'s clock.
+
+        Returns:
+            ``None`` before :meth:`stamp_streams` found the clock, or for a
+            marker on a queue created before it.
+        """
         import pyopencl as cl
 
         if self._stamp_clock is None:
@@ -87,10 +108,24 @@ class OpenCLDevice(Device):
             return None
         if not isinstance(end, int):
             return None
-        host_before = time.perf_counter()
-        stamp_now = time.clock_gettime_ns(self._stamp_clock)
-        host_after = time.perf_counter()
-        return (host_before + host_after) / 2 - (stamp_now - end) / 1e9
+        return end / 1e9 + self._stamp_clock_offset()
+
+    def _stamp_clock_offset(self) -> float:
+        """perf_counter's reading minus the stamps' clock's, in seconds.
+
+        From the tightest of three readings, each of the stamps' clock between
+        two of perf_counter: a thread switched out between them (the GIL
+        handed to another thread, say) widens only the one it hit.
+        """
+        assert self._stamp_clock is not None
+        readings = []
+        for _ in range(3):
+            host_before = time.perf_counter()
+            stamp_now = time.clock_gettime_ns(self._stamp_clock)
+            host_after = time.perf_counter()
+            readings.append((host_after - host_before, (host_before + host_after) / 2, stamp_now))
+        _, host, stamp = min(readings)
+        return host - stamp / 1e9
 
     def close_stream(self, stream: cl.CommandQueue) -> None:
         """Wait for the work queued on ``stream``; pyopencl releases it with the object."""

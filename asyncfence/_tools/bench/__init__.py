@@ -7,7 +7,7 @@ executor); hand-written ``sleep(1ms)`` and ``sleep(0)`` polling loops (the
 latter is the busy-poll *floor*); numba-cuda's ``async_done`` on CUDA. The
 latency tables add the device's own row where its events carry stamps on a
 host clock (OpenCL profiling): when the device finished, which no wait can
-beat (:func:`.targets.device_finish`). Each
+beat (:func:`.targets.device_finish_row`). Each
 contender is probed once at setup; one that fails is left out, with the
 reason in the report (``meta.left_out``). Figures are percentiles over trials;
 ratios and overheads are taken within the run.

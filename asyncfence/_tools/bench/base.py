@@ -58,7 +58,7 @@ DEVICE_FINISH = "device finished"
 #: of CPython's 5 ms GIL switch intervals.
 LATE_AFTER_S = 0.011
 
-#: The order every table lists contenders in.
+#: The order every table lists its rows in: the contenders, then the device's own.
 CONTENDER_ORDER = (AUTO, PARK, POLL, TO_THREAD, SLEEP_1MS, SLEEP_0, NUMBA, DEVICE_FINISH)
 
 _Value = TypeVar("_Value")

@@ -82,7 +82,7 @@ async def _one_waiter(
                 token = contender.record(stream)
                 stamps = releaser.release_after(rng.uniform(*delays), gate)
                 resumed = await bounded(contender.wait(token), limit_s)
-                ended = contender.ended(token, resumed)
+                ended = contender.latency_end(token, resumed)
                 if math.isfinite(resumed):
                     contender.done(token)
                 if shared is None:
@@ -139,7 +139,7 @@ async def many_queues(ctx: Context) -> None:
                 resumed = await gather(
                     *(bounded(contender.wait(t), config.trial_timeout_s) for t in tokens)
                 )
-                ended = [contender.ended(t, r) for t, r in zip(tokens, resumed, strict=True)]
+                ended = [contender.latency_end(t, r) for t, r in zip(tokens, resumed, strict=True)]
                 for index, token in enumerate(tokens):
                     if math.isfinite(resumed[index]):
                         contender.done(token)
@@ -200,9 +200,9 @@ async def _saturated_trials(ctx: Context) -> None:
                 resumed = await bounded(contender.wait(token), config.saturated_timeout_s)
                 release.cancel_scope.cancel()
             gate.release()  # a no-op once released
-            sample = latency(contender.ended(token, resumed), stamps)
+            sample = latency(contender.latency_end(token, resumed), stamps)
             samples.setdefault(contender.name, []).append(sample)
-            if math.isfinite(sample):
+            if math.isfinite(resumed):
                 contender.done(token)
                 timeouts_running[contender.name] = 0
             else:

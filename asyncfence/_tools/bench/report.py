@@ -108,9 +108,11 @@ def latency_figures(
         figures[name] = entry
     floor = figures.get(SLEEP_0, {})
     reference = figures.get(TO_THREAD, {}).get("p50_us")
-    for entry in figures.values():
-        entry["p50_over_floor_us"] = _minus(entry["p50_us"], floor.get("p50_us"))
-        entry["p99_over_floor_us"] = _minus(entry["p99_us"], floor.get("p99_us"))
+    for name, entry in figures.items():
+        # The device's row is under the floor by its nature: no overhead to show.
+        below = name == DEVICE_FINISH
+        entry["p50_over_floor_us"] = None if below else _minus(entry["p50_us"], floor.get("p50_us"))
+        entry["p99_over_floor_us"] = None if below else _minus(entry["p99_us"], floor.get("p99_us"))
         entry["p50_vs_to_thread"] = _ratio(entry["p50_us"], reference)
     return ordered(figures)
 

@@ -21,7 +21,7 @@ from asyncfence.testing import open_default_device
 from . import drop, latency, load, signal_hold
 from .base import BenchConfig, Results
 from .report import build_report, describe, plot, render, require_matplotlib, write_json
-from .targets import Context, contenders, device_finish, make_target, probe_contenders
+from .targets import Context, contenders, device_finish_row, make_target, probe_contenders
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -42,6 +42,8 @@ class Scenario:
         estimate_s: Rough seconds it takes, from the settings and the number
             of contenders (on a 2-core machine).
         cuda_only: Runs on CUDA devices only.
+        times_device_row: Times the device's own row beside the contenders
+            (:attr:`.targets.Context.timed`).
     """
 
     key: str
@@ -49,6 +51,7 @@ class Scenario:
     run: Callable[[Context], Awaitable[None]]
     estimate_s: Callable[[BenchConfig, int], float]
     cuda_only: bool = False
+    times_device_row: bool = False
 
 
 SCENARIOS: list[Scenario] = [
@@ -57,36 +60,42 @@ SCENARIOS: list[Scenario] = [
         "wake latency, one waiter, reused queue",
         latency.wake_latency,
         lambda c, n: (c.wake_trials + 1) * n * 0.003,
+        times_device_row=True,
     ),
     Scenario(
         "wake_latency_short_work",
         "wake latency, short work",
         latency.wake_latency_short_work,
         lambda c, n: (c.wake_trials + 1) * n * 0.0012,
+        times_device_row=True,
     ),
     Scenario(
         "wake_fresh_queue",
         "wake latency, a fresh queue per wait",
         latency.wake_fresh_queue,
         lambda c, n: (c.fresh_trials + 1) * n * 0.004,
+        times_device_row=True,
     ),
     Scenario(
         "wake_64_queues",
         "wake latency, 64 waiters released in random order",
         latency.many_queues,
         lambda c, n: (c.many_rounds + 1) * n * (0.005 + c.many_queues * 0.0005),
+        times_device_row=True,
     ),
     Scenario(
         "wake_saturated_loop",
         "wake latency on a saturated loop",
         latency.saturated_loop,
         lambda c, n: c.saturated_trials * n * 0.006 + 3 * c.saturated_timeout_s,
+        times_device_row=True,
     ),
     Scenario(
         "wake_cpu_thread",
         "wake latency beside a CPU-bound thread",
         latency.wake_beside_cpu_thread,
         lambda c, n: c.cpu_thread_trials * n * 0.015,
+        times_device_row=True,
     ),
     Scenario(
         "out_of_order_park",
@@ -209,19 +218,25 @@ async def _run(
             target, contenders(target), config.probe_timeout_s, quiet=quiet
         )
         meta["contenders"] = [c.name for c in context.entrants]
-        row = device_finish(target)
-        if row is not None:
+        plan = [s for s in plan if target.device.backend == "cuda" or not s.cuda_only]
+        meta["scenarios"] = [s.key for s in plan]
+        row = device_finish_row(target)
+        if row is not None and any(s.times_device_row for s in plan):
             admitted, left_out = await probe_contenders(
                 target, [row], config.probe_timeout_s, quiet=quiet
             )
             context.device_row = admitted[0] if admitted else None
             meta["left_out"].update(left_out)
         meta["device_row"] = context.device_row is not None
-        plan = [s for s in plan if target.device.backend == "cuda" or not s.cuda_only]
-        meta["scenarios"] = [s.key for s in plan]
         if json_path:
             write_json(json_path, build_report(results))
-        progress = Progress([s.estimate_s(config, len(context.entrants)) for s in plan], quiet)
+        progress = Progress(
+            [
+                s.estimate_s(config, len(context.timed if s.times_device_row else context.entrants))
+                for s in plan
+            ],
+            quiet,
+        )
         progress.start(
             f"asyncfence bench: {len(plan)} scenarios, {len(context.entrants)} contenders"
         )

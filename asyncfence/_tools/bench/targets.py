@@ -47,7 +47,7 @@ __all__ = [
     "Context",
     "Target",
     "contenders",
-    "device_finish",
+    "device_finish_row",
     "make_target",
     "probe_contenders",
 ]
@@ -64,7 +64,7 @@ class Target:
         self.device = device
         self._streams: list[Any] = []
         #: Whether the device stamps when it finishes each raw event (see
-        #: :func:`device_finish`); asked before any stream exists.
+        #: :func:`device_finish_row`); asked before any stream exists.
         self.stamped = device.stamp_streams()
 
     def new_stream(self) -> Any:
@@ -120,7 +120,7 @@ class Contender:
         wait: Awaits a token.
         done: Called once a token is no longer needed (not after a timeout).
         is_asyncfence: One of asyncfence's strategies.
-        finished_at: Only for the device's own row (:func:`device_finish`):
+        finished_at: Only for the device's own row (:func:`device_finish_row`):
             when the device finished a token, which its latency runs to
             instead of the wait's resumption.
     """
@@ -132,7 +132,7 @@ class Contender:
     is_asyncfence: bool = False
     finished_at: Callable[[Any], float | None] | None = None
 
-    def ended(self, token: Any, resumed: float) -> float:
+    def latency_end(self, token: Any, resumed: float) -> float:
         """Where a trial's latency runs to, given the instant its wait resumed.
 
         That instant itself for a way to wait; the device's own stamp for
@@ -189,7 +189,7 @@ def _sleep_loop(target: Target) -> Callable[[Any], Awaitable[None]]:
     return sleep_loop
 
 
-def device_finish(target: Target) -> Contender | None:
+def device_finish_row(target: Target) -> Contender | None:
     """The device's own row: when it finished each raw event, by its own stamps.
 
     No wait can resume before the device has finished, so this row is the
@@ -242,14 +242,20 @@ async def probe_contenders(
         try:
             token = contender.record(stream)
             resumed = await bounded(contender.wait(token), limit_s)
+            ended = contender.latency_end(token, resumed)
         except Exception as error:
             left_out[contender.name] = f"{type(error).__name__}: {error}"
         else:
             if math.isfinite(resumed):
                 contender.done(token)
+            if math.isfinite(ended):
                 admitted.append(contender)
                 continue
-            left_out[contender.name] = f"its probe did not finish within {limit_s:g} s"
+            left_out[contender.name] = (
+                "the device gave no stamp of its finish"
+                if math.isfinite(resumed)
+                else f"its probe did not finish within {limit_s:g} s"
+            )
         if not quiet:
             print(f"left out {contender.name}: {left_out[contender.name]}", file=sys.stderr)
     return admitted, left_out
@@ -264,7 +270,7 @@ class Context:
         entrants: The contenders admitted by the probe, in table order.
         config: Trial counts and sizes.
         results: Where the scenario writes its samples.
-        device_row: The device's own row (:func:`device_finish`), if it
+        device_row: The device's own row (:func:`device_finish_row`), if it
             has one: the latency scenarios time it with the entrants.
     """
 
