@@ -41,7 +41,7 @@ from asyncfence._tools.bench.targets import (
 from asyncfence._tools.measure import percentile, plural
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 EVERYONE = [AUTO, PARK, POLL, TO_THREAD, SLEEP_1MS, SLEEP_0]
@@ -317,15 +317,23 @@ def test_the_device_row_runs_to_the_stamp_and_a_missing_one_counts_as_a_timeout(
     assert waiting.latency_end("anything", resumed=2.0) == 2.0
 
 
+def stamp_every_device_row(
+    monkeypatch: pytest.MonkeyPatch, finished_at: Callable[[Any], float | None]
+) -> None:
+    """Make the runs' device rows read their stamps from ``finished_at``."""
+
+    def stamped(target: Any) -> Contender:
+        row = device_finish_row(target)
+        assert row is not None
+        return dataclasses.replace(row, finished_at=finished_at)
+
+    monkeypatch.setattr(runner, "device_finish_row", stamped)
+
+
 def test_every_latency_scenario_times_the_device_row_to_its_stamp(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def stamped_at_zero(target: Any) -> Contender:
-        row = device_finish_row(target)
-        assert row is not None
-        return dataclasses.replace(row, finished_at=lambda token: 0.0)
-
-    monkeypatch.setattr(runner, "device_finish_row", stamped_at_zero)
+    stamp_every_device_row(monkeypatch, lambda token: 0.0)
     timed = [key for key in LATENCY if key != "out_of_order_park"]
     report = runner.run_bench(device="opencl", config=ON_EACH_LOOP, scenarios=timed, quiet=True)
     for key in timed:
@@ -340,12 +348,7 @@ def test_every_latency_scenario_times_the_device_row_to_its_stamp(
 def test_a_device_row_without_stamps_is_left_out_with_the_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def unstamped(target: Any) -> Contender:
-        row = device_finish_row(target)
-        assert row is not None
-        return dataclasses.replace(row, finished_at=lambda token: None)
-
-    monkeypatch.setattr(runner, "device_finish_row", unstamped)
+    stamp_every_device_row(monkeypatch, lambda token: None)
     report = runner.run_bench(device="opencl", config=TINY, scenarios=["wake_latency"], quiet=True)
     meta = report["meta"]
     assert meta["device_row"] is False
