@@ -74,9 +74,10 @@ async def _one_waiter(
     limit_s = ctx.config.trial_timeout_s if limit_s is None else limit_s
     rng = random.Random(seed)
     shared = None if fresh_queue else target.new_stream()
+    timed = ctx.timed
     with Releaser() as releaser:
         for trial in range(trials + warm_up):
-            for contender in rng.sample(ctx.timed, len(ctx.timed)):
+            for contender in rng.sample(timed, len(timed)):
                 stream = target.device.new_stream() if shared is None else shared
                 gate = StreamGate(stream)
                 token = contender.record(stream)
@@ -125,9 +126,10 @@ async def many_queues(ctx: Context) -> None:
     config, target, samples = ctx.config, ctx.target, _samples(ctx, "wake_64_queues")
     rng = random.Random(4)
     streams = [target.new_stream() for _ in range(config.many_queues)]
+    timed = ctx.timed
     with Releaser() as releaser:
         for trial in range(config.many_rounds + 1):
-            for contender in rng.sample(ctx.timed, len(ctx.timed)):
+            for contender in rng.sample(timed, len(timed)):
                 gates = [StreamGate(stream) for stream in streams]
                 tokens = [contender.record(stream) for stream in streams]
                 order = rng.sample(range(len(streams)), len(streams))
