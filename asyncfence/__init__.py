@@ -9,11 +9,10 @@ Thread-safety: :func:`record`, :func:`configure`, and a fence's ``done()``,
 happens on an event loop; several loops may await one fence at once.
 """
 
-from . import _backends as _backends  # registers the device backends
 from ._backend import BackendStatistics as BackendStatistics
 from ._backend import backend_statistics as backend_statistics
-from ._backends.cuda import DeviceBuffer as DeviceBuffer
-from ._backends.cuda import PinnedBuffer as PinnedBuffer
+from ._backends import DeviceBuffer as DeviceBuffer  # and registers the device backends
+from ._backends import PinnedBuffer as PinnedBuffer
 from ._config import Config as Config
 from ._config import configure as configure
 from ._drop_queue import DropQueue as DropQueue
@@ -23,12 +22,10 @@ from ._exceptions import DriverNotFoundError as DriverNotFoundError
 from ._exceptions import FenceError as FenceError
 from ._fence import Fence as Fence
 from ._fence import record as record
-from ._loops import current_statistics as current_statistics
 from ._poller import PollerStatistics as PollerStatistics
+from ._poller import current_statistics as current_statistics
 from ._staging import StagingPool as StagingPool
 from ._staging import StagingPoolStatistics as StagingPoolStatistics
-from ._watcher import WatcherStatistics as WatcherStatistics
-from ._watcher import watcher_statistics as watcher_statistics
 
 __all__ = (
     "BackendStatistics",
@@ -44,12 +41,10 @@ __all__ = (
     "PollerStatistics",
     "StagingPool",
     "StagingPoolStatistics",
-    "WatcherStatistics",
     "backend_statistics",
     "configure",
     "current_statistics",
     "record",
-    "watcher_statistics",
 )
 
 __version__ = "0.1.0"

@@ -1,61 +1,60 @@
-"""Command line: ``python -m asyncfence demo``, ``bench`` and ``soak``.
+"""Command line: ``python -m asyncfence demo``; ``bench`` and ``soak`` from a checkout.
 
-The commands live in :mod:`asyncfence._tools`, apart from the library.
+The demo ships with the library. The benchmark and the soak run are the lab,
+in the repository's ``benchmarks/`` folder and not in the installed package:
+run from a checkout, ``bench`` and ``soak`` hand over to it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import sys
-import textwrap
+from pathlib import Path
 
-_DESCRIPTION = "asyncfence's own tools: a demo, the benchmark, and a soak run."
-
-
-def _bench_description() -> str:
-    from ._tools.bench import SCENARIOS, BenchConfig, estimate_seconds
-
-    full = estimate_seconds(BenchConfig(), 6, cuda=False)
-    quick = estimate_seconds(BenchConfig.smoke(), 6, cuda=False)
-    listed = "\n".join(f"  {s.key:<24} {s.title}" for s in SCENARIOS)
-    about = textwrap.fill(
-        "Measure every waiting strategy beside the usual baselines, in one process, "
-        f"interleaved. A full run takes about {full / 60:.0f} minutes on a 2-core machine, "
-        f"--quick about {quick:.0f} s (each run prints its own estimate as it starts).",
-        width=88,
-    )
-    return f"{about}\n\nScenarios:\n{listed}"
+_DESCRIPTION = (
+    "asyncfence: record fences on the default device and await them (demo); from a "
+    "checkout of the repository, the benchmark (bench) and the soak run (soak)."
+)
+_LAB_COMMANDS = ("bench", "soak")
 
 
-def _positive_minutes(text: str) -> float:
-    """An argparse type: a finite number of minutes above zero."""
-    try:
-        minutes = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of minutes, got {text!r}") from None
-    if not math.isfinite(minutes) or minutes <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number of minutes > 0, got {text}")
-    return minutes
+def _checkout_root() -> Path | None:
+    """The root of the checkout whose ``benchmarks/`` lab is at hand, if any.
+
+    The one this package was installed from in editable mode (or is run
+    from), else the working directory's.
+    """
+    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        if (root / "benchmarks" / "bench" / "runner.py").is_file():
+            return root
+    return None
 
 
-def _seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds, zero or more."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not math.isfinite(seconds) or seconds < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text}")
-    return seconds
+def _run_lab(argv: list[str]) -> int:
+    root = _checkout_root()
+    if root is None:
+        print(
+            f"python -m asyncfence {argv[0]}: the benchmark and the soak run are not part "
+            "of the installed package; run them from a checkout of the asyncfence "
+            "repository (git clone, then python -m asyncfence bench in it)",
+            file=sys.stderr,
+        )
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks.__main__ import main as lab_main
+
+    return lab_main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen command; returns the exit status."""
-    from . import __version__, _backends  # noqa: F401  (registers the device backends)
-    from ._backend import backend_names
+    from . import __version__
 
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments and arguments[0] in _LAB_COMMANDS:
+        return _run_lab(arguments)
     parser = argparse.ArgumentParser(prog="python -m asyncfence", description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"asyncfence {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -64,65 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         help="record fences on the default device and await them",
         description="Record fences on the default device and await them.",
     )
-    bench = commands.add_parser(
-        "bench",
-        help="measure every waiting strategy beside the usual baselines",
-        description=_bench_description(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench.add_argument(
-        "--device", choices=backend_names(), help="default: the first with a device (a GPU first)"
-    )
-    bench.add_argument(
-        "--quick", action="store_true", help="a smoke run: every scenario, tiny trial counts"
-    )
-    bench.add_argument(
-        "--json", metavar="PATH", help="write the report as JSON, rewritten after each scenario"
-    )
-    bench.add_argument(
-        "--plot", metavar="PATH", help="plot the distributions (needs matplotlib: the bench extra)"
-    )
-    bench.add_argument(
-        "--loop",
-        choices=("asyncio", "uvloop", "trio"),
-        default="asyncio",
-        help="the event loop to run on (uvloop and trio must be installed)",
-    )
-    bench.add_argument("--quiet", action="store_true", help="no progress lines")
-    bench.add_argument(
-        "--spin-budget", type=_seconds, metavar="SECONDS", help="the spin budget to measure with"
-    )
-    soak = commands.add_parser(
-        "soak",
-        help="a long run that checks memory and loop lag stay flat",
-        description="A long run that checks memory and loop lag stay flat.",
-    )
-    soak.add_argument(
-        "--minutes", type=_positive_minutes, default=10.0, help="how long (default 10)"
-    )
-    args = parser.parse_args(argv)
-
-    if args.command == "soak":
-        from ._tools.soak import run_soak
-
-        return run_soak(args.minutes)
-
-    if args.command == "bench":
-        from ._config import configure
-        from ._tools.bench import run_bench
-
-        if args.spin_budget is not None:
-            configure(spin_budget=args.spin_budget)
-        run_bench(
-            device=args.device,
-            quick=args.quick,
-            json_path=args.json,
-            plot_path=args.plot,
-            loop=args.loop,
-            quiet=args.quiet,
-        )
-        return 0
-    from ._tools.demo import demo
+    for command in _LAB_COMMANDS:
+        commands.add_parser(command, help=f"from a checkout: python -m benchmarks {command}")
+    parser.parse_args(arguments)
+    from ._demo import demo
 
     return asyncio.run(demo())
 

@@ -2,28 +2,29 @@
 
 Everything above it (fences, waiting, the poller, the drop queue) is written
 once against :class:`Backend`; each device runtime implements it once, in its
-own package under :mod:`asyncfence._backends`. A backend only talks to its
-runtime: record, query, stream-wait, release, and arrange for a native signal
-when a marker completes. It knows nothing of event loops, starts no thread
-and never calls back into Python; the loop code knows nothing of devices.
-Tests, the demo and the benchmark reach a backend's devices and test gates
-through :meth:`Backend.lab`. See ``docs/design.md`` for the layers.
+own package under :mod:`asyncfence._backends`, and nothing outside that
+package names the runtime. A backend only talks to its runtime: record,
+query, stream-wait, release, and arrange for a native signal when a marker
+completes. It knows nothing of event loops, starts no thread and never calls
+back into Python. ``asyncfence.testing``, the demo and the benchmark reach a
+backend's devices and test gates through :meth:`Backend.lab`. Design:
+``docs/design.md`` ("The seam").
 
 Adding a backend:
 
-1. Write a module (or a package under ``asyncfence/_backends/``) with a class
-   that implements :class:`Backend` over the runtime's own marker type, and a
+1. Write a package under ``asyncfence/_backends/`` with a class that
+   implements :class:`Backend` over the runtime's own marker type, and a
    :class:`Lab` (a device to make streams on and keep busy, and a gate that
-   holds a stream from the host), imported lazily by :meth:`Backend.lab` so
-   that ``import asyncfence`` never loads the runtime.
+   holds a stream from the host). Import the runtime's bindings only when a
+   caller hands the backend one of its streams (or opens its device), so that
+   ``import asyncfence`` never loads the runtime.
 2. Register an instance: one line in ``asyncfence/_backends/__init__.py``,
-   ``register_backend(MyBackend())``. :func:`backend_for`, the pytest
-   plugin's ``--fence-device`` choices, the command line's ``--device``
-   choices and :func:`asyncfence.testing.open_default_device` all read the
-   registry.
-3. Run the generic fence tests on it (``tests/test_fence.py`` is
-   parametrized over the registered backends; ``tests/fake_backend.py`` is a
-   whole backend in one file, registered only by the tests).
+   ``register_backend(MyBackend())``. :func:`backend_for`, the default
+   device, the pytest plugin's ``--fence-device`` choices and the command
+   line's ``--device`` choices all read the registry.
+3. The generic fence tests (``tests/test_fence.py``) run on every registered
+   backend; ``tests/fake_backend.py`` is a whole backend in one file,
+   registered by the tests' ``conftest.py`` with that one line.
 
 Requirement on :meth:`Backend.claims`: it depends on the stream's type only,
 so that :func:`backend_for` can remember the answer per type.
@@ -51,7 +52,6 @@ __all__ = [
     "backend_names",
     "backend_statistics",
     "register_backend",
-    "signal_path",
     "unregister_backend",
 ]
 
@@ -89,8 +89,11 @@ class BackendStatistics:
             they settle (OpenCL: PoCL may abort the process otherwise), and
             failed ones kept for good (the most recent few thousand).
         side_streams: Streams the backend made for completion signals.
-        signal_path: How completion signals reach the runtime (see
-            :meth:`Backend.signal_path`); ``None`` before the first.
+        signal_path: How completion signals reach the runtime, in its own
+            terms; ``None`` until known. CUDA: ``"v2"`` or ``"v1"`` (the
+            driver's raw ``cuLaunchHostFunc`` entry points) or ``"none"``
+            (neither: parked CUDA waits are re-checked); OpenCL:
+            ``"clSetEventCallback"``.
     """
 
     backend: str
@@ -106,8 +109,11 @@ class NativeSignal:
 
     It runs no Python: the runtime calls it on its own thread (a CUDA host
     function, an OpenCL event callback), and it only tells the waiting side
-    that something completed. It may be called early or twice; the waiting
-    side always queries the marker.
+    that something completed. The runtime calls it exactly once per
+    :meth:`Backend.arm` that returned True, or never (after a fault): a
+    second call would use a slot already freed. It may come before the
+    marker has completed (PoCL calls back for a failed event as complete);
+    the waiting side always queries the marker.
 
     Attributes:
         host_function: Address of a ``void f(void *argument)``: what CUDA
@@ -140,7 +146,10 @@ class GateParts:
 
 
 class Lab(Protocol):
-    """What tests, the demo and the benchmark need of a backend, beyond fences."""
+    """What ``asyncfence.testing``, the demo and the benchmark need of a backend, beyond fences."""
+
+    #: Whether its gates can fail a stream from the host (``GateParts.fail``).
+    fails_gates: bool
 
     def open_device(self) -> Device:
         """The backend's first device.
@@ -223,10 +232,10 @@ class Backend(Protocol[MarkerT]):
     def arm(self, marker: MarkerT, queue: QueueInfo, signal: NativeSignal) -> bool:
         """Have the runtime call ``signal`` once the device passes ``marker``.
 
-        Never blocks and never calls back into Python. If the marker has
-        already completed, the runtime may call the signal at once, on the
-        calling thread. A runtime may never call it for work that failed: the
-        waiting side re-checks periodically.
+        Never blocks and never calls back into Python. The runtime calls the
+        signal exactly once, or never: a runtime may never call it for work
+        that failed (the waiting side re-checks periodically). If the marker
+        has already completed, it may call it at once, on the calling thread.
 
         Returns:
             False if the runtime offers no way to call ``signal`` (the caller
@@ -234,14 +243,6 @@ class Backend(Protocol[MarkerT]):
 
         Raises:
             DeviceError: The runtime refused the request.
-        """
-        ...
-
-    def signal_path(self) -> str | None:
-        """How :meth:`arm` reaches the runtime, for statistics; ``None`` if not yet known.
-
-        CUDA: ``"v2"``, ``"v1"`` (the driver's raw ``cuLaunchHostFunc``
-        entry points) or ``"none"``; OpenCL: ``"clSetEventCallback"``.
         """
         ...
 
@@ -257,7 +258,7 @@ class Backend(Protocol[MarkerT]):
         ...
 
     def lab(self) -> Lab:
-        """Its devices and test gates, loaded on first use."""
+        """Its devices and test gates."""
         ...
 
 
@@ -307,14 +308,6 @@ def backend_statistics() -> tuple[BackendStatistics, ...]:
     Thread-safety: safe to call from any thread.
     """
     return tuple(backend.statistics() for backend in _backends)
-
-
-def signal_path(name: str) -> str | None:
-    """The :meth:`Backend.signal_path` of the backend ``name``; ``None`` if unknown."""
-    for backend in _backends:
-        if backend.name == name:
-            return backend.signal_path()
-    return None
 
 
 def backend_for(stream: object) -> Backend[Any]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
+import sys
 import threading
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
+
+from ._fork import renew_after_fork
 
 __all__ = [
     "STRATEGIES",
@@ -41,12 +43,12 @@ class Config:
         poll_cap: The longest sleep, in seconds, between two checks once the
             spin budget is spent under ``"poll"``. Sleeps grow exponentially
             up to it. It bounds wake latency for long work, against the CPU
-            the checks cost. Parked fences whose completion signal cannot be
-            armed are polled at this interval too.
+            the checks cost. Parked fences that have no completion signal
+            (where the native wake shim is not built, or the runtime cannot
+            arm one) are re-checked the same way: sleeps growing up to it.
         recheck_interval: How often, in seconds, parked fences are
-            re-queried, whatever the signals say (by the loop's own timer, or
-            by the fallback watcher thread). It is a safety net for a device
-            fault, which sends no signal. On the native wake path, while
+            re-queried by the loop's own timer, whatever the signals say. It
+            is a safety net for a device fault, which sends no signal. While
             re-checks find nothing settled and no new wait parks, the
             interval doubles, up to 8 times this (0.4 s by default): a
             parked waiter sees a fault within ``recheck_interval`` of
@@ -62,15 +64,7 @@ class Config:
 _current = Config()
 # Serialises configure()'s read-modify-write; readers need no lock.
 _configure_lock = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    global _configure_lock
-    _configure_lock = threading.Lock()  # another thread may have held it at the fork
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+renew_after_fork(sys.modules[__name__], "_configure_lock")
 
 
 def current_config() -> Config:

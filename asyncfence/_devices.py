@@ -1,9 +1,9 @@
-"""The default device, and what the demo, the benchmark and tests run on it.
+"""The base of every lab's device: what the demo, the benchmark and tests run on.
 
 asyncfence itself needs no device object: it works on the user's own streams.
-This module gives the tools that ship with it (``python -m asyncfence demo``,
-the benchmark, the test fixtures) a device to create streams and queue work
-on; each backend's lab provides its own (see :mod:`asyncfence._backend`).
+``asyncfence.testing`` gives the demo, the benchmark and test suites a device
+to create streams and queue work on; each backend's lab provides its own (see
+:mod:`asyncfence._backend`).
 
 Busy work is a run of 1 MiB copies or memsets, calibrated once to last a given
 time: every runtime executes them asynchronously like any other command, and
@@ -36,6 +36,8 @@ class Device:
     backend: str
     #: The device and its platform, as the runtime names them.
     name: str
+    #: Whether it is a GPU (the ``gpu`` test marker's question).
+    is_gpu: bool = False
 
     def __init__(self) -> None:
         self._chunks_per_second = 0.0

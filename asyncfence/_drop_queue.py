@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, final
 import anyio
 
 from ._config import check_timeout, current_config
+from ._core import FAILED, PENDING
 from ._exceptions import FenceError
-from ._fence import FAILED, PENDING, Fence
-from ._loops import current_poller
+from ._fence import cores_of
+from ._poller import current_poller
 from ._sync import Changes
 from ._validation import check_callable, check_int
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
     from typing_extensions import Self
 
+    from ._core import FenceCore
+    from ._fence import Fence
     from ._poller import Poller
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -82,7 +85,7 @@ class _Item:
         self,
         seq: int,
         obj: object,
-        fences: list[Fence],
+        fences: list[FenceCore],
         free: Callable[[Any], object] | None,
         nbytes: int,
     ) -> None:
@@ -95,7 +98,7 @@ class _Item:
         self.failure: BaseException | None = None
         self.deferred_at = time.monotonic()
         # Registered with the poller, one per pending fence.
-        self.waiters: list[tuple[Fence, _ItemWaiter]] = []
+        self.waiters: list[tuple[FenceCore, _ItemWaiter]] = []
 
 
 class _ItemWaiter:
@@ -109,22 +112,6 @@ class _ItemWaiter:
 
     def wake(self, error: BaseException | None) -> None:
         self.queue._fence_settled(self.item, error)
-
-
-def _fences_of(fence_or_fences: Fence | Iterable[Fence]) -> list[Fence]:
-    given: object = fence_or_fences
-    if isinstance(given, Fence):
-        return [given]
-    if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
-        raise TypeError(
-            "expected an asyncfence.Fence or an iterable of them, "
-            f"got {type(fence_or_fences).__qualname__}"
-        )
-    fences = list(given)
-    for fence in fences:
-        if not isinstance(fence, Fence):
-            raise TypeError(f"expected asyncfence.Fence objects, got {type(fence).__qualname__}")
-    return fences
 
 
 def _limit(name: str, value: object) -> int | None:
@@ -232,7 +219,7 @@ class DropQueue:
             ValueError: ``nbytes`` is negative.
             RuntimeError: The queue is closed.
         """
-        fences = _fences_of(fence_or_fences)
+        fences = cores_of(fence_or_fences)
         check_callable("free", free, optional=True)
         if nbytes is None:
             size = getattr(obj, "nbytes", 0)
@@ -256,7 +243,7 @@ class DropQueue:
         if schedule:
             assert poller is not None
             try:
-                poller.call_soon_threadsafe(self._take_inbox)
+                poller.driver.call_soon_threadsafe(self._take_inbox)
             except RuntimeError:  # the loop is gone: the items stay pending, visibly
                 _logger.error("the DropQueue's event loop is closed; %r stays pending", obj)
 
@@ -293,7 +280,7 @@ class DropQueue:
             else:
                 schedule = False
         if schedule:
-            poller.call_soon(self._take_inbox)
+            poller.driver.call_soon(self._take_inbox)
         return poller
 
     def _take_inbox(self) -> None:
@@ -309,7 +296,7 @@ class DropQueue:
                 continue
             for fence in item.fences:
                 try:
-                    state = fence._poll()
+                    state = fence.poll()
                 except Exception as unexpected:
                     self._fence_settled(item, unexpected)
                     continue
@@ -318,7 +305,7 @@ class DropQueue:
                     item.waiters.append((fence, waiter))
                     poller.add(fence, waiter, strategy)
                 else:
-                    self._fence_settled(item, fence._error() if state == FAILED else None)
+                    self._fence_settled(item, fence.failure() if state == FAILED else None)
 
     def _fence_settled(self, item: _Item, error: BaseException | None) -> None:
         if error is not None and item.failure is None:

@@ -1,78 +1,31 @@
-"""Fences: recorded points on a device stream that code can wait for."""
+"""Fences: recorded points on a device stream that code can wait for, and the wait itself.
+
+A :class:`Fence` is the user's handle on a :class:`~asyncfence._core.FenceCore`
+(its marker, state and outcome). The wait is written once, here, for every
+loop: it asks the running loop's driver to suspend the task, and the loop's
+poller to wake it. Design: ``docs/design.md`` ("Fences", "Waiting").
+"""
 
 from __future__ import annotations
 
-import copy
-import itertools
-import os
-import threading
 import time
-from typing import TYPE_CHECKING, Any, Final, NoReturn, final
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, final
 
-from ._backend import Backend, QueueInfo, backend_for
 from ._config import Strategy, check_strategy, check_timeout, current_config
-from ._exceptions import DeviceError, FenceError
+from ._core import DONE, FAILED, PENDING, FenceCore, record_core
+from ._loops import current_driver
+from ._poller import poller_of
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Generator
+    from collections.abc import Generator
 
     from typing_extensions import Self
 
-    from ._backend import NativeSignal
-
-__all__ = ["ARMED", "DONE", "FAILED", "PENDING", "SETTLED", "UNSIGNALLED", "Fence", "record"]
-
-PENDING: Final = 0
-DONE: Final = 1
-FAILED: Final = 2
-
-# What Fence._arm found: a signal armed, none possible (poll it), or settled already.
-ARMED: Final = "armed"
-UNSIGNALLED: Final = "unsignalled"
-SETTLED: Final = "settled"
-
-# Guards state changes only, never a driver call: the one-way transition out
-# of PENDING (so that exactly one thread releases a marker), and the pins that
-# keep a marker from being released while a driver call uses it (a pooled
-# CUDA event may be recording other work once released).
-_settle_lock = threading.Lock()
-# Record order within a queue; a global counter is enough to order each queue.
-# Taken with the record, under the queue's lock: two threads recording on one
-# queue must number their fences in the order the queue received them, since
-# waits trust that order (the oldest fence of an in-order queue completes
-# first). Striped, so that records on different queues rarely wait for each
-# other (a record may block in the driver while its stream's queue is full).
-_sequence = itertools.count()
-_RECORD_STRIPES = 64
-_record_locks = tuple(threading.Lock() for _ in range(_RECORD_STRIPES))
+__all__ = ["Fence", "cores_of", "record"]
 
 # wait_sync sleeps between polls, the sleep doubling up to this.
 _BLOCKING_SLEEP_CAP_S = 1e-3
-
-# fork(): device runtimes do not survive it (their threads stay behind, their
-# locks may be held), so a child must not touch what the parent used. The
-# poller's native mailboxes read _generation too.
-_generation = 0
-_used_backends: set[str] = set()
-_backends_of_parent: frozenset[str] = frozenset()
-
-_FORK_ADVICE = (
-    "device runtimes do not survive fork(); start processes that use the device "
-    "with the 'spawn' or 'forkserver' start method"
-)
-
-
-def _after_fork_in_child() -> None:
-    global _generation, _backends_of_parent, _settle_lock, _record_locks
-    _generation += 1
-    _backends_of_parent = frozenset(_used_backends)
-    # Another thread of the parent may have held them at the fork.
-    _settle_lock = threading.Lock()
-    _record_locks = tuple(threading.Lock() for _ in range(_RECORD_STRIPES))
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @final
@@ -91,152 +44,21 @@ class Fence:
     loops may await one fence at once.
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_backend",
-        "_failure",
-        "_generation",
-        "_marker",
-        "_pins",
-        "_queue",
-        "_seq",
-        "_state",
-    )
+    __slots__ = ("__weakref__", "_core")
 
-    _backend: Backend[Any]
-    _marker: Any
-    _pins: int
-    _queue: QueueInfo
-    _seq: int
-    _state: int
-    _failure: DeviceError | None
-    _generation: int
+    _core: FenceCore
 
     def __new__(cls, *args: object, **kwargs: object) -> Self:
         raise TypeError("fences are made by asyncfence.record(stream)")
 
     @classmethod
-    def _new(cls, backend: Backend[Any], marker: Any, queue: QueueInfo, seq: int) -> Self:
+    def _of(cls, core: FenceCore) -> Self:
         fence = object.__new__(cls)
-        fence._backend = backend
-        fence._marker = marker
-        fence._pins = 0
-        fence._queue = queue
-        fence._seq = seq
-        fence._state = PENDING
-        fence._failure = None
-        fence._generation = _generation
+        fence._core = core
         return fence
 
     def __repr__(self) -> str:
-        state = ("pending", "done", "failed")[self._state]
-        return f"<asyncfence.Fence {self._backend.name} #{self._seq} {state}>"
-
-    def __del__(self) -> None:
-        marker = self._marker
-        # In a forked child the parent's runtime may hold locks: leave it be.
-        if marker is not None and self._generation == _generation:
-            self._backend.release(marker)
-
-    # -- state ----------------------------------------------------------------
-
-    def _poll(self, *, keep_marker: bool = False) -> int:
-        """Query the device unless already settled; returns the state.
-
-        Args:
-            keep_marker: Leave the marker of a fence this call settles
-                unreleased, for :meth:`_release_if_settled` to release later
-                (off a loop's wake path).
-
-        Raises:
-            FenceError: The fence was recorded before this process forked.
-        """
-        if self._state != PENDING:
-            return self._state
-        if self._generation != _generation:
-            raise FenceError(f"{self!r} was recorded before fork(): {_FORK_ADVICE}")
-        marker = self._marker
-        if marker is None:  # settled by another thread since the check above
-            return self._state
-        try:
-            if not self._backend.query(marker):
-                # Re-read: settled meanwhile by another thread, the marker may
-                # since answer for someone else's work.
-                return self._state
-        except DeviceError as error:
-            self._settle(FAILED, error, keep_marker=keep_marker)
-        else:
-            self._settle(DONE, None, keep_marker=keep_marker)
-        return self._state
-
-    def _settle(
-        self, state: int, failure: DeviceError | None, *, keep_marker: bool = False
-    ) -> None:
-        with _settle_lock:
-            if self._state != PENDING:
-                return
-            # State first, marker last: a thread reading without the lock that
-            # finds no marker then always finds the fence settled.
-            self._failure = failure
-            self._state = state
-            if self._pins or keep_marker:
-                return  # a driver call still uses the marker, or it is released later
-            marker, self._marker = self._marker, None
-        assert marker is not None
-        self._backend.release(marker)
-
-    def _release_if_settled(self) -> None:
-        """Release the marker of a settled fence, unless a driver call still uses it."""
-        with _settle_lock:
-            if self._pins or self._state == PENDING:
-                return
-            marker, self._marker = self._marker, None
-        if marker is not None:
-            self._backend.release(marker)
-
-    def _pin(self) -> Any:
-        """The marker, kept from release until :meth:`_unpin`; ``None`` if settled."""
-        with _settle_lock:
-            marker = self._marker
-            if marker is None or self._state != PENDING:
-                return None
-            self._pins += 1
-            return marker
-
-    def _unpin(self) -> None:
-        with _settle_lock:
-            self._pins -= 1
-        self._release_if_settled()
-
-    def _error(self) -> DeviceError:
-        """A fresh copy of the failure, so each waiter gets its own traceback."""
-        failure = self._failure
-        assert failure is not None
-        return copy.copy(failure).with_traceback(None)
-
-    def _arm(self, signal: NativeSignal) -> str:
-        """Have the runtime call ``signal`` once the device passes this fence.
-
-        Returns:
-            :data:`ARMED`, :data:`UNSIGNALLED` (the runtime cannot call it:
-            poll instead), or :data:`SETTLED` (nothing to wait for).
-
-        Raises:
-            DeviceError: The runtime refused (a faulted CUDA context, say).
-        """
-        marker = self._pin()
-        if marker is None:
-            return SETTLED
-        try:
-            armed = self._backend.arm(marker, self._queue, signal)
-        finally:
-            self._unpin()
-        return ARMED if armed else UNSIGNALLED
-
-    def _raise_failure(self) -> NoReturn:
-        raise self._error()
-
-    # -- public API ------------------------------------------------------------
+        return repr(self._core)
 
     def done(self) -> bool:
         """Whether the device has passed this fence. Never blocks.
@@ -244,9 +66,10 @@ class Fence:
         Raises:
             DeviceError: The work before the fence failed.
         """
-        state = self._poll()
+        core = self._core
+        state = core.poll()
         if state == FAILED:
-            self._raise_failure()
+            core.raise_failure()
         return state == DONE
 
     def wait_sync(self, timeout: float | None = None) -> None:
@@ -263,6 +86,7 @@ class Fence:
             DeviceError: The work before the fence failed.
         """
         limit = check_timeout(timeout)
+        core = self._core
         # The runtimes' own blocking waits cannot be timed out or interrupted
         # (cuEventSynchronize busy-waits; clWaitForEvents takes no timeout), so
         # this sleeps between polls, doubling from 20 µs up to a millisecond:
@@ -272,11 +96,11 @@ class Fence:
         deadline = time.monotonic() + limit
         sleep = 20e-6
         while True:
-            state = self._poll()
+            state = core.poll()
             if state == DONE:
                 return
             if state == FAILED:
-                self._raise_failure()
+                core.raise_failure()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"{self!r} did not complete within {timeout} s")
@@ -305,27 +129,7 @@ class Fence:
                 its later work: PoCL never fails a command queued behind an
                 event that had already failed.
         """
-        if not self._backend.claims(stream):
-            raise TypeError(
-                f"{self._backend.title} fences can only be waited on by "
-                f"{self._backend.accepts}; got {type(stream).__qualname__} object"
-            )
-        # Whatever the fence's state: whether a program errors must not
-        # depend on how fast the device was.
-        self._backend.check_stream(self._queue, stream)
-        # Settled first: a stream told to wait for a fence that already failed
-        # may never run again (OpenCL), so that failure is raised instead.
-        if self._poll() == FAILED:
-            self._raise_failure()
-        marker = self._pin()
-        if marker is not None:
-            try:
-                self._backend.stream_wait(marker, self._queue, stream)
-            finally:
-                self._unpin()
-            return
-        if self._state == FAILED:
-            self._raise_failure()
+        self._core.enqueue_wait(stream)
 
     async def wait(self, timeout: float | None = None, *, strategy: Strategy | None = None) -> None:
         """Wait until the device has passed this fence, without blocking the loop.
@@ -347,33 +151,56 @@ class Fence:
                 can be awaited again.
             DeviceError: The work before the fence failed.
             ValueError: ``strategy`` is not a known strategy.
+            RuntimeError: No asyncio or trio loop runs the calling task.
         """
         seconds = check_timeout(timeout)
         chosen = current_config().strategy if strategy is None else check_strategy(strategy)
-        await (_wait_for_fence or _bind_wait())(self, seconds, chosen)
+        await _wait(self._core, seconds, chosen)
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
 
 
-# The loops' wait, bound on first use: _loops imports this module, and this
-# is the one call back up (waiting needs the loop layer; fences do not).
-_wait_for_fence: Callable[[Fence, float, Strategy], Awaitable[None]] | None = None
+async def _wait(core: FenceCore, seconds: float, strategy: Strategy) -> None:
+    """Wait for ``core`` on whichever loop runs the calling task.
+
+    Always a checkpoint; always unregisters, however the wait ends.
+    """
+    driver = current_driver()
+    if core.poll() != PENDING or seconds == 0:
+        await driver.checkpoint()  # a checkpoint, even when there is nothing to wait for
+        _settled_outcome(core, seconds)
+        return
+    poller = poller_of(driver)
+    waiter = driver.new_waiter()
+    woken = False
+    try:
+        poller.add(core, waiter, strategy)
+        woken = await driver.suspend(waiter, seconds, lambda: poller.discard(core, waiter))
+    finally:
+        if not woken:  # cancelled, timed out or failed: a wake unregisters its waiters
+            poller.discard(core, waiter)
+    if not woken:
+        _settled_outcome(core, seconds)
 
 
-def _bind_wait() -> Callable[[Fence, float, Strategy], Awaitable[None]]:
-    global _wait_for_fence
-    from ._loops import wait_for_fence
-
-    _wait_for_fence = wait_for_fence
-    return wait_for_fence
+def _settled_outcome(core: FenceCore, seconds: float) -> None:
+    """After a checkpoint or a timeout: return if done, raise its failure, or time out."""
+    state = core.poll()
+    if state == DONE:
+        return
+    if state == FAILED:
+        core.raise_failure()
+    raise TimeoutError(f"{core!r} did not complete within {seconds} s")
 
 
 def record(stream: object) -> Fence:
     """Record a fence at the current end of the work queued on ``stream``.
 
     Args:
-        stream: A ``pyopencl.CommandQueue``, or a CUDA stream.
+        stream: A stream of a registered backend: a ``pyopencl.CommandQueue``,
+            or a CUDA stream (an object with ``__cuda_stream__``, a CuPy or
+            numba-cuda stream, or a raw handle).
 
     Returns:
         A fence that completes once the device has passed all work queued on
@@ -388,11 +215,26 @@ def record(stream: object) -> Fence:
     Thread-safety: safe to call from any thread; the fence may be awaited on
     any loop.
     """
-    backend = backend_for(stream)
-    if backend.name in _backends_of_parent:
-        raise FenceError(f"{backend.name} was in use before fork(): {_FORK_ADVICE}")
-    with _record_locks[hash(backend.stream_key(stream)) % _RECORD_STRIPES]:
-        marker, queue = backend.record(stream)
-        seq = next(_sequence)
-    _used_backends.add(backend.name)
-    return Fence._new(backend, marker, queue, seq)
+    return Fence._of(record_core(stream))
+
+
+def cores_of(fence_or_fences: object) -> list[FenceCore]:
+    """The cores of a fence or of an iterable of fences, for the drop queue and pools.
+
+    Raises:
+        TypeError: Not a :class:`Fence` or an iterable of them; the message
+            names what was given.
+    """
+    if isinstance(fence_or_fences, Fence):
+        return [fence_or_fences._core]
+    if isinstance(fence_or_fences, (str, bytes)) or not isinstance(fence_or_fences, Iterable):
+        raise TypeError(
+            "expected an asyncfence.Fence or an iterable of them, "
+            f"got {type(fence_or_fences).__qualname__}"
+        )
+    cores = []
+    for fence in fence_or_fences:
+        if not isinstance(fence, Fence):
+            raise TypeError(f"expected asyncfence.Fence objects, got {type(fence).__qualname__}")
+        cores.append(fence._core)
+    return cores

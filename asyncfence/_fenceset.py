@@ -1,7 +1,7 @@
 """Fences grouped by stream, swept so that only what can have completed is queried.
 
-Shared by a loop's poller (its polled and its parked fences) and the fallback
-watcher thread. Not thread-safe: each owner guards its own.
+A loop's poller keeps two: its polled fences and its parked ones. Not
+thread-safe: its owner's thread only.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ._fence import PENDING
+from ._core import PENDING
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Hashable
 
-    from ._fence import Fence
+    from ._core import FenceCore
 
 __all__ = ["FenceSet"]
 
@@ -29,16 +29,16 @@ class _Queue:
     in_order: bool
     # In-order queues: a heap by record order. Entries of fences no longer in
     # the set are dropped when they reach the top, or by compaction.
-    heap: list[tuple[int, Fence]] = field(default_factory=list)
+    heap: list[tuple[int, FenceCore]] = field(default_factory=list)
     # Out-of-order queues: every member, as an ordered set.
-    unordered: dict[Fence, None] = field(default_factory=dict)
+    unordered: dict[FenceCore, None] = field(default_factory=dict)
     members: int = 0
 
 
-def _query(fence: Fence) -> tuple[bool, Exception | None]:
+def _query(fence: FenceCore) -> tuple[bool, Exception | None]:
     """Whether ``fence`` has settled, and what its query raised unexpectedly."""
     try:
-        return fence._poll() != PENDING, None
+        return fence.poll() != PENDING, None
     except Exception as unexpected:  # a backend bug must reach the waiters
         return True, unexpected
 
@@ -53,7 +53,7 @@ class FenceSet:
     """
 
     def __init__(self) -> None:
-        self._members: set[Fence] = set()
+        self._members: set[FenceCore] = set()
         self._queues: dict[Hashable, _Queue] = {}
 
     def __len__(self) -> int:
@@ -71,28 +71,28 @@ class FenceSet:
         """Whether any member is on the queue with ``key``."""
         return key in self._queues
 
-    def add(self, fence: Fence) -> bool:
+    def add(self, fence: FenceCore) -> bool:
         """Add ``fence``; returns whether it was new."""
         if fence in self._members:
             return False
         self._members.add(fence)
-        info = fence._queue
+        info = fence.queue
         queue = self._queues.get(info.key)
         if queue is None:
             queue = self._queues[info.key] = _Queue(info.in_order)
         queue.members += 1
         if queue.in_order:
-            heapq.heappush(queue.heap, (fence._seq, fence))
+            heapq.heappush(queue.heap, (fence.seq, fence))
         else:
             queue.unordered[fence] = None
         return True
 
-    def discard(self, fence: Fence) -> None:
+    def discard(self, fence: FenceCore) -> None:
         """Remove ``fence`` if present."""
         if fence not in self._members:
             return
         self._members.discard(fence)
-        key = fence._queue.key
+        key = fence.queue.key
         queue = self._queues[key]
         queue.members -= 1
         if not queue.members:
@@ -108,20 +108,20 @@ class FenceSet:
         self._members.clear()
         self._queues.clear()
 
-    def head(self, fence: Fence) -> Fence | None:
+    def head(self, fence: FenceCore) -> FenceCore | None:
         """The oldest member on ``fence``'s in-order queue; ``None`` out of order."""
-        queue = self._queues.get(fence._queue.key)
+        queue = self._queues.get(fence.queue.key)
         if queue is None or not queue.in_order:
             return None
         return self._oldest(queue)
 
-    def _oldest(self, queue: _Queue) -> Fence | None:
+    def _oldest(self, queue: _Queue) -> FenceCore | None:
         heap = queue.heap
         while heap and heap[0][1] not in self._members:  # drop stale entries
             heapq.heappop(heap)
         return heap[0][1] if heap else None
 
-    def needs_own_signal(self, fence: Fence) -> bool:
+    def needs_own_signal(self, fence: FenceCore) -> bool:
         """Whether nothing but its own signal would tell when ``fence`` completes.
 
         On an in-order queue only the oldest member does: when it completes, a
@@ -132,13 +132,13 @@ class FenceSet:
         head = self.head(fence)
         return head is None or head is fence
 
-    def heads(self, keys: Collection[Hashable] | None = None) -> list[Fence]:
+    def heads(self, keys: Collection[Hashable] | None = None) -> list[FenceCore]:
         """The members that need their own signal (see :meth:`needs_own_signal`).
 
         Args:
             keys: Only on these queues; every queue by default.
         """
-        found: list[Fence] = []
+        found: list[FenceCore] = []
         for queue in self._selected(keys):
             if not queue.in_order:
                 found.extend(queue.unordered)
@@ -153,7 +153,7 @@ class FenceSet:
 
     def sweep(
         self,
-        settled: Callable[[Fence, Exception | None], None],
+        settled: Callable[[FenceCore, Exception | None], None],
         keys: Collection[Hashable] | None = None,
     ) -> int:
         """Query what can have completed; remove and report each settled fence.
@@ -170,11 +170,11 @@ class FenceSet:
             The number of device queries made.
         """
         queries = 0
-        found: list[tuple[Fence, Exception | None]] = []
+        found: list[tuple[FenceCore, Exception | None]] = []
         for queue in self._selected(keys):
             if queue.in_order:
                 while (fence := self._oldest(queue)) is not None:
-                    queries += fence._state == PENDING
+                    queries += fence.state == PENDING
                     done, unexpected = _query(fence)
                     if not done:
                         break
@@ -182,7 +182,7 @@ class FenceSet:
                     found.append((fence, unexpected))
             else:
                 for fence in list(queue.unordered):
-                    queries += fence._state == PENDING
+                    queries += fence.state == PENDING
                     done, unexpected = _query(fence)
                     if done:
                         self.discard(fence)

@@ -1,31 +1,53 @@
-"""The native wake shim (``_native.c``), loaded with ctypes.
+"""The native wake shim (``_native.c``), loaded with ctypes, and a loop's mailbox in it.
 
-The shim is a plain shared library, built at install where a C compiler
-exists. Where it is missing, or disabled with ``ASYNCFENCE_NATIVE=0``,
-:func:`shim` returns ``None`` and parked waits use the thread-based fallback
-(:mod:`asyncfence._watcher`). See ``docs/design.md`` for the wake path.
+The shim is a plain shared library (``_shim.so``, no Python C-API), built at
+install where a C compiler exists. Where it is missing, or disabled with
+``ASYNCFENCE_NATIVE=0``, :func:`shim` returns ``None`` and parked waits are
+re-checked on the loop instead. See ``docs/design.md`` ("The wake path").
 
-Thread-safety: :func:`shim` may be called from any thread.
+Thread-safety: :func:`shim` may be called from any thread; a
+:class:`NativeMailbox` belongs to its loop's thread.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 import logging
 import os
+import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
+
+from . import _fork
+from ._backend import NativeSignal
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["DISABLE_VARIABLE", "Shim", "shim", "unavailable_reason"]
+__all__ = [
+    "DISABLE_VARIABLE",
+    "HOW_TO_BUILD",
+    "LIBRARY_NAME",
+    "NativeMailbox",
+    "Shim",
+    "shim",
+    "unavailable_reason",
+]
 
-#: Set to ``0`` to use the thread-based fallback even where the shim is built.
-DISABLE_VARIABLE = "ASYNCFENCE_NATIVE"
+#: Set to ``0`` to re-check parked waits on the loop even where the shim is built.
+DISABLE_VARIABLE: Final = "ASYNCFENCE_NATIVE"
+#: The shim's file name, beside this module.
+LIBRARY_NAME: Final = "_shim.so"
+#: How to get the shim where it is missing, for the warning that says so.
+HOW_TO_BUILD: Final = (
+    "install a C compiler (gcc or clang) and reinstall asyncfence; without the shim, "
+    "parked waits are re-checked on the loop, up to every poll_cap"
+)
+# Fired signals taken from a mailbox per call into the shim.
+_TAKE_BATCH = 256
 
 _logger = logging.getLogger("asyncfence.native")
 
@@ -61,14 +83,10 @@ class Shim:
 
 
 _lock = threading.Lock()
+_fork.renew_after_fork(sys.modules[__name__], "_lock")
 _loaded: Shim | None = None
 _reason: str | None = None
 _tried = False
-
-
-def _candidates() -> list[Path]:
-    here = Path(__file__).parent
-    return [here / f"_shim{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
 
 
 def _typed(library: ctypes.CDLL) -> None:
@@ -112,11 +130,11 @@ def _load() -> tuple[Shim | None, str | None]:
         return None, f"disabled by {DISABLE_VARIABLE}=0"
     if setting not in ("", "1", "auto"):
         _logger.warning("%s=%r is not 0, 1 or auto; treating it as auto", DISABLE_VARIABLE, setting)
-    for path in _candidates():
-        if not path.exists():
-            continue
+    path = Path(__file__).with_name(LIBRARY_NAME)
+    if path.exists():
         try:
-            library = ctypes.CDLL(str(path))
+            # use_errno: af_mailbox_new's failures (EMFILE, say) read as themselves.
+            library = ctypes.CDLL(str(path), use_errno=True)
             _typed(library)
             take = _gil_holding(library, "af_mailbox_take")
             take_undrained = _gil_holding(library, "af_mailbox_take_undrained")
@@ -140,7 +158,7 @@ def shim() -> Shim | None:
                 if _loaded is not None:
                     _logger.debug("native wake path: the shim at %s", _loaded.path)
                 else:
-                    _logger.debug("thread-based wake path: %s", _reason)
+                    _logger.debug("no native wake path: %s", _reason)
                 _tried = True
     return _loaded
 
@@ -149,3 +167,81 @@ def unavailable_reason() -> str | None:
     """Why :func:`shim` returns ``None``; ``None`` where the shim is in use."""
     shim()
     return _reason
+
+
+class NativeMailbox:
+    """A loop's mailbox in the shim: a fd its selector watches, and the signals that fired.
+
+    Thread-safety: the shim's signals may fire on any thread; every method
+    here belongs to the loop's thread.
+
+    Raises:
+        OSError: The shim could not make the mailbox's fd (out of file
+            descriptors, say); the error names why.
+    """
+
+    def __init__(self, native: Shim) -> None:
+        self._shim = native
+        self._library = native.library
+        self._take = native.take
+        self._take_undrained = native.take_undrained
+        self._generation = _fork.generation()
+        handle = self._library.af_mailbox_new()
+        if not handle:
+            code = ctypes.get_errno()
+            raise OSError(code, f"cannot create the native mailbox: {os.strerror(code)}")
+        self._handle: int = handle
+        self._tokens = (ctypes.c_uint64 * _TAKE_BATCH)()
+        # Built once: the call on the wake path converts nothing.
+        self._take_arguments = (
+            ctypes.c_void_p(handle),
+            self._tokens,
+            ctypes.c_size_t(_TAKE_BATCH),
+        )
+        # Closed with its poller: the shim keeps the fd open while any
+        # signal can still fire, so a late write never lands elsewhere. Never
+        # at interpreter exit, from the main thread, while its loop may still
+        # run on another (a daemon thread): a process's exit frees it anyway.
+        self._finalizer = weakref.finalize(self, self._library.af_mailbox_close, handle)
+        self._finalizer.atexit = False
+
+    def fileno(self) -> int:
+        """The fd that turns readable when a signal fired."""
+        return int(self._library.af_mailbox_fd(self._handle))
+
+    def signal(self, token: int) -> tuple[NativeSignal, int]:
+        """A signal that posts ``token`` here, and its slot (to discard if unused).
+
+        Raises:
+            MemoryError: The shim could not allocate the slot.
+        """
+        slot = self._library.af_slot_new(self._handle, token)
+        if not slot:
+            raise MemoryError("the native shim could not allocate a signal slot")
+        return NativeSignal(self._shim.fire, self._shim.opencl_callback, slot), slot
+
+    def discard(self, slot: int) -> None:
+        """Free a slot whose signal was never armed."""
+        self._library.af_slot_discard(slot)
+
+    def take(self) -> list[int]:
+        """The tokens of the signals fired since the last take: the fd drained, then the list."""
+        return self._take_with(self._take)
+
+    def take_undrained(self) -> list[int]:
+        """The same, without draining the fd: a system call less.
+
+        If it returns any, the fd stays readable, so the loop calls back;
+        :meth:`take` then drains it.
+        """
+        return self._take_with(self._take_undrained)
+
+    def _take_with(self, take: Callable[..., int]) -> list[int]:
+        if self._generation != _fork.generation():
+            return []  # a forked child: the parent's mailbox is not ours
+        count = take(*self._take_arguments)
+        taken: list[int] = self._tokens[:count]
+        while count == _TAKE_BATCH:
+            count = take(*self._take_arguments)
+            taken += self._tokens[:count]
+        return taken

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from typing_extensions import Self
 
-    from ._backends.cuda import PinnedBuffer
+    from ._backends import PinnedBuffer
     from ._fence import Fence
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -108,7 +108,7 @@ class StagingPool(Generic[T]):
     @classmethod
     def pinned(cls, nbytes: int, count: int) -> StagingPool[PinnedBuffer]:
         """A pool of ``count`` pinned host buffers of ``nbytes`` each, freed on close."""
-        from ._backends.cuda import PinnedBuffer
+        from ._backends import PinnedBuffer
 
         return StagingPool(lambda: PinnedBuffer(nbytes), count, dispose=PinnedBuffer.free)
 

@@ -17,7 +17,8 @@ Fixtures:
   ``held_stream.release()``, so "work still running" is deterministic. Released
   at teardown if the test did not.
 
-The ``gpu`` marker skips a test where no NVIDIA GPU (driver and device) is found.
+The ``gpu`` marker skips a test where no registered backend finds a GPU (an
+NVIDIA GPU with its driver, say).
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from . import _backends  # noqa: F401  (registers the device backends)
 from ._backend import backend_named, backend_names
-from ._testing import StreamGate, hold, open_default_device
+from .testing import StreamGate, hold, open_default_device
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from ._devices import Device
+    from .testing import Device
 
 __all__ = ("fence_device", "fence_stream", "held_stream")
 
@@ -59,19 +59,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Register the ``gpu`` marker."""
-    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU; skipped without one")
+    config.addinivalue_line("markers", "gpu: needs a GPU; skipped without one")
 
 
 def gpu_present() -> bool:
-    """Whether an NVIDIA driver and at least one CUDA device are usable (cached)."""
+    """Whether any registered backend opens a device that is a GPU (cached)."""
     global _gpu_found
     if _gpu_found is None:
-        try:
-            backend_named("cuda").lab().open_device()
-        except (RuntimeError, ImportError):
-            _gpu_found = False
-        else:
-            _gpu_found = True
+        _gpu_found = False
+        for name in backend_names():  # a GPU's backend first
+            try:
+                device = backend_named(name).lab().open_device()
+            except (RuntimeError, ImportError):
+                continue
+            if device.is_gpu:
+                _gpu_found = True
+                break
     return _gpu_found
 
 
@@ -79,7 +82,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Skip ``gpu``-marked tests where there is no GPU, reported at each test."""
     marked = [item for item in items if item.get_closest_marker("gpu") is not None]
     if marked and not gpu_present():
-        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (driver and device); none found")
+        skip = pytest.mark.skip(reason="needs a GPU; no backend found one")
         for item in marked:
             item.add_marker(skip)
 

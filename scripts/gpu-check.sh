@@ -140,8 +140,8 @@ timeout 60 "$python" -c 'import anyio, asyncfence, cuda.bindings, pytest, pytest
     || fail "$python needs anyio, cuda-bindings, pytest and pytest-timeout; asyncfence from $root"
 
 # -- the native wake shim, compiled in place ---------------------------------------------
-suffix=$("$python" -c 'import importlib.machinery as m; print(m.EXTENSION_SUFFIXES[0])')
-shim=$root/asyncfence/_shim$suffix
+# A plain shared library (no Python C-API), as setup.py builds it: one name for every Python.
+shim=$root/asyncfence/_shim.so
 source_c=$root/asyncfence/_native.c
 read -ra cc <<<"${CC:-cc}"
 if [ ! -e "$source_c" ]; then
@@ -162,7 +162,7 @@ elif command -v "${cc[0]}" >/dev/null; then
 else
     "$python" "$report" note "$work" shim built=false "error=no C compiler (${cc[0]})" \
         "stale=$([ -e "$shim" ] && echo "$shim" || echo null)"
-    log "no C compiler (${cc[0]}): the shim is not built; parked waits use the watcher thread"
+    log "no C compiler (${cc[0]}): the shim is not built; parked waits are re-checked on the loop"
 fi
 
 # -- the driver: the real one, or the emulated one for every process -------------------------
@@ -228,11 +228,11 @@ if "$python" -c 'import matplotlib' 2>/dev/null; then
 fi
 if [ "$mode" = emulated ]; then
     step bench_quick 60 "$out/bench.txt" "${with_driver[@]}" \
-        "$python" -m asyncfence bench --quick "${bench_args[@]}" || true
-elif ! step bench 110 "$out/bench.txt" "$python" -m asyncfence bench "${bench_args[@]}"; then
+        "$python" -m benchmarks bench --quick "${bench_args[@]}" || true
+elif ! step bench 110 "$out/bench.txt" "$python" -m benchmarks bench "${bench_args[@]}"; then
     # Out of time or failed: the quick form, so that something is measured.
     step bench_quick 40 "$out/bench.txt" \
-        "$python" -m asyncfence bench --quick "${bench_args[@]}" || true
+        "$python" -m benchmarks bench --quick "${bench_args[@]}" || true
 fi
 
 touch "$work/done"

@@ -250,9 +250,10 @@ async def _parked_wait() -> dict[str, Any]:
         after = asyncfence.current_statistics()
     finally:
         device.close_stream(stream)
+    signal_paths = {stats.backend: stats.signal_path for stats in asyncfence.backend_statistics()}
     return {
         "wake_path": getattr(parked, "wake_path", None),
-        "cuda_signal": getattr(parked, "cuda_signal", None),
+        "cuda_signal": signal_paths.get("cuda"),
         "parked": parked.parked,
         "armed": getattr(parked, "armed", None),
         "signals_after": getattr(after, "signals", None),

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 import asyncfence
-from asyncfence._backend import register_backend
+from asyncfence._backend import backend_named, register_backend
 from asyncfence.testing import CudaDevice, OpenCLDevice, StreamGate, open_default_device
 
 from .fake_backend import FakeBackend
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import pyopencl as cl
 
 # The tests' own backend, registered as any backend is: tests/test_fence.py
-# runs its generic tests on it beside OpenCL and CUDA.
+# runs its generic tests on every registered backend, this one included.
 register_backend(FakeBackend())
 
 _uvloop_missing = importlib.util.find_spec("uvloop") is None
@@ -95,18 +95,18 @@ def unordered_queue(device: OpenCLDevice) -> Iterator[cl.CommandQueue]:
 
 @pytest.fixture(scope="session")
 def wake_path() -> str:
-    """How parked waits wake in this run: ``"native"`` (the shim) or ``"thread"``.
+    """How parked waits wake in this run: ``"native"`` (the shim) or ``"polling"``.
 
-    CI runs the suite twice, the second time with ``ASYNCFENCE_NATIVE=0``.
+    CI runs a slice of the suite with ``ASYNCFENCE_NATIVE=0`` (see ``.ci/run``).
     """
     from asyncfence._native import shim
 
-    return "native" if shim() is not None else "thread"
+    return "native" if shim() is not None else "polling"
 
 
 @pytest.fixture
-def thread_wake_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Park on the fallback watcher thread in this test, shim or not.
+def without_shim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Park as if the native shim were not built, in this test: re-checked on the loop.
 
     Applies to loops that park for the first time during the test (anyio
     gives every test a fresh loop).
@@ -136,6 +136,31 @@ def only_signals_wake() -> Iterator[None]:
     asyncfence.configure(recheck_interval=30, poll_cap=1)
     yield
     asyncfence.configure(recheck_interval=previous.recheck_interval, poll_cap=previous.poll_cap)
+
+
+@pytest.fixture
+def no_thread_from_asyncfence(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fail the test if asyncfence's own code starts a thread during it.
+
+    ``threading.Thread.start`` is wrapped: a call whose caller is a module of
+    the ``asyncfence`` package is noted (threads of the test, of trio or of
+    the device runtime are not asyncfence's).
+    """
+    import sys
+    import threading
+
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller == "asyncfence" or caller.startswith("asyncfence."):
+            started.append(f"{caller} started {thread.name}")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    yield
+    assert started == []
 
 
 HANG_GUARD_S = 30  # a hang guard, never a timing assertion
@@ -175,7 +200,7 @@ async def poller_ticks(count: int) -> None:
 
 
 async def let_loop_run() -> None:
-    """Give the loop, its poller and the watcher time to act, under any strategy.
+    """Give the loop and its poller time to act, under any strategy.
 
     For asserting that something does *not* happen (a waiter resuming while its
     stream is held); the order of events is always fixed by held streams.
@@ -227,13 +252,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip, at each test, the runs of ``fails_a_gate`` tests on CUDA's streams."""
-    skip = pytest.mark.skip(reason="the host cannot fail a CUDA stream")
+    """Skip, at each test, the runs of ``fails_a_gate`` tests on backends that cannot."""
     for item in items:
         callspec = getattr(item, "callspec", None)
-        on_cuda = callspec is not None and callspec.params.get("new_stream") == "cuda"
-        if on_cuda and item.get_closest_marker("fails_a_gate") is not None:
-            item.add_marker(skip)
+        backend = None if callspec is None else callspec.params.get("new_stream")
+        if backend is None or item.get_closest_marker("fails_a_gate") is None:
+            continue
+        if not backend_named(backend).lab().fails_gates:
+            reason = f"the host cannot fail a {backend_named(backend).title} stream"
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -290,14 +317,25 @@ def settings_restored() -> Iterator[None]:
     asyncfence.configure(**asdict(previous))
 
 
+#: The loggers of the wait machinery: an error there means a wait went wrong.
+_WAIT_LOGGERS = ("asyncfence.poller", "asyncfence.loops")
+
+
 @pytest.fixture(autouse=True)
-def no_asyncfence_errors_logged(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    """Fail any test during which the watcher thread logged an error."""
+def no_wait_errors_logged(
+    request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> Iterator[None]:
+    """Fail any test during which the poller or a loop driver logged an error.
+
+    A test that makes them raise on purpose says so: ``@pytest.mark.logs_wait_errors``.
+    """
     yield
+    if request.node.get_closest_marker("logs_wait_errors") is not None:
+        return
     errors = [
         record
         for record in caplog.get_records("call")
-        if record.name == "asyncfence.watcher" and record.levelno >= logging.ERROR
+        if record.name in _WAIT_LOGGERS and record.levelno >= logging.ERROR
     ]
     assert not errors, [record.getMessage() for record in errors]
 

@@ -5,7 +5,8 @@ in order, gates hold them until a test releases (or fails) them, and armed
 signals are native functions called, as a real runtime would, from the thread
 that completes the work (the releasing one), never with the GIL. Registered
 with :func:`asyncfence._backend.register_backend` by ``tests/conftest.py``;
-``tests/test_fence.py`` runs its generic tests on it beside OpenCL and CUDA.
+``tests/test_fence.py`` runs its generic tests on every registered backend,
+this one included.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def _enqueue(stream: FakeStream, op: _Op) -> _Op:
 class FakeLab:
     """The fake backend's device and test gates."""
 
+    fails_gates = True
+
     def __init__(self) -> None:
         self.device = FakeDevice()
 
@@ -191,11 +194,8 @@ class FakeBackend(Backend[_Op]):
             _call_host_function(signal.host_function)(signal.argument)
         return True
 
-    def signal_path(self) -> str | None:
-        return "fake host function"
-
     def statistics(self) -> BackendStatistics:
-        return BackendStatistics(backend=self.name, signal_path=self.signal_path())
+        return BackendStatistics(backend=self.name, signal_path="fake host function")
 
     def release(self, marker: _Op) -> None:
         """Markers are plain objects: nothing to give back."""

@@ -1,4 +1,4 @@
-"""The benchmark and the tools: every scenario for every contender, and the report's arithmetic."""
+"""The benchmark (``benchmarks/``) and the demo: every scenario, every contender, the arithmetic."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from asyncfence._tools.bench import runner
-from asyncfence._tools.bench.base import (
+from benchmarks.bench import runner
+from benchmarks.bench.base import (
     AUTO,
     CONTENDER_ORDER,
     DEVICE_FINISH,
@@ -29,16 +29,16 @@ from asyncfence._tools.bench.base import (
     Results,
     default_executor_workers,
 )
-from asyncfence._tools.bench.report import build_report, render, summarize
-from asyncfence._tools.bench.signal_hold import PYTHON_CALLBACK, native_label
-from asyncfence._tools.bench.targets import (
+from benchmarks.bench.report import build_report, render, summarize
+from benchmarks.bench.signal_hold import PYTHON_CALLBACK, native_label
+from benchmarks.bench.targets import (
     Contender,
     contenders,
     device_finish_row,
     make_target,
     probe_contenders,
 )
-from asyncfence._tools.measure import percentile, plural
+from benchmarks.measure import percentile, plural
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -291,7 +291,7 @@ def test_stamps_on_a_clock_other_than_the_ones_tried_give_no_row(
 
 
 def test_a_device_without_host_clock_stamps_has_no_row() -> None:
-    from asyncfence._devices import Device
+    from asyncfence.testing import Device
 
     device = Device()
     assert not device.stamp_streams()
@@ -450,7 +450,7 @@ def test_every_scenario_runs_on_uvloop_and_trio(loop: str, tmp_path: Path) -> No
     assert meta["default_executor_workers"] == (
         40 if loop == "trio" else default_executor_workers()
     )
-    assert meta["wake_path"] in ("native", "thread")
+    assert meta["wake_path"] in ("native", "polling")
     check_every_scenario(
         report["summary"],
         EVERYONE,
@@ -502,16 +502,32 @@ def test_bench_help_names_every_scenario_and_how_long(capsys: pytest.CaptureFixt
         assert scenario.key in out
 
 
-def test_the_library_does_not_import_its_tools() -> None:
+def test_the_library_does_not_import_its_lab() -> None:
     code = (
-        "import sys, asyncfence, asyncfence.testing\n"
-        "assert not [m for m in sys.modules if m.startswith('asyncfence._tools')]"
+        "import sys, asyncfence, asyncfence.testing, asyncfence.pytest_plugin\n"
+        "assert not [m for m in sys.modules if m.partition('.')[0] == 'benchmarks']"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
 
+def test_bench_outside_a_checkout_says_where_it_lives(tmp_path: Path) -> None:
+    # An installed copy (not this checkout's editable one) run elsewhere: simulated
+    # by pointing the package at a folder with no benchmarks/ beside it.
+    code = (
+        "import sys, pathlib, asyncfence.__main__ as cli\n"
+        "cli.__file__ = str(pathlib.Path.cwd() / 'site' / 'asyncfence' / '__main__.py')\n"
+        "sys.exit(cli.main(['bench', '--quick']))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert result.returncode == 2
+    assert "not part of the installed package" in result.stderr
+    assert "from a checkout" in result.stderr
+
+
 def test_the_demo_succeeds_on_opencl(capsys: pytest.CaptureFixture[str]) -> None:
-    from asyncfence._tools.demo import demo
+    from asyncfence._demo import demo
 
     assert asyncio.run(demo("opencl")) == 0
     out = capsys.readouterr().out
@@ -520,12 +536,12 @@ def test_the_demo_succeeds_on_opencl(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_the_demo_succeeds_on_cuda(capsys: pytest.CaptureFixture[str], cuda_mode: str) -> None:
-    from asyncfence._tools.demo import demo
+    from asyncfence._demo import demo
 
     assert asyncio.run(demo("cuda")) == 0
     out = capsys.readouterr().out
     assert "asyncfence demo on cuda" in out
-    assert "3. (skipped: the host cannot fail a CUDA stream" in out
+    assert "3. (skipped: a CUDA stream cannot be failed from the host" in out
 
 
 # -- whole quick runs, as CI and the GPU check do them ------------------------------------------
@@ -679,7 +695,7 @@ def test_quick_bench_on_the_emulated_cuda_driver(
     assert meta["device_row"] is False  # CUDA events have no host-clock stamps
     check_every_scenario(report["summary"], names, device_row=False)
     hold = report["summary"]["signal_hold"]
-    assert set(hold) == {native_label(path, meta["wake_path"] == "native"), PYTHON_CALLBACK}
+    assert set(hold) == {native_label(path), PYTHON_CALLBACK}
     for figures in hold.values():
         assert 0 <= figures["p50_us"] <= figures["max_us"]
     assert "holds its stream" in result.stdout

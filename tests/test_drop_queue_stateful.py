@@ -82,7 +82,7 @@ class DropQueueMachine(RuleBasedStateMachine):
 
         def settled() -> bool:
             for item in self.items:
-                if item.fence._poll() == 0:  # PENDING
+                if item.fence._core.poll() == 0:  # PENDING
                     continue
                 if item.freed == 0 and item not in self.faulted:
                     return False

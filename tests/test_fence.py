@@ -1,9 +1,10 @@
-"""The fence core, on every backend (OpenCL, CUDA, and the tests' fake one), under
-asyncio, uvloop and trio.
+"""The fence core, on every registered backend (OpenCL, CUDA, and the tests' fake
+one), under asyncio, uvloop and trio.
 
-Nothing here knows which backend it runs on: that it passes on all of them is
-what makes the seam the whole story (see ``asyncfence/_backend.py``).
-Backend-specific behaviour lives in ``test_opencl.py`` and ``test_cuda.py``.
+Nothing here knows which backend it runs on: the backends come from the
+registry, and that these tests pass on all of them is what makes the seam the
+whole story (see ``asyncfence/_backend.py``). Backend-specific behaviour lives
+in ``test_opencl.py`` and ``test_cuda.py``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import anyio
 import pytest
 
 import asyncfence
-from asyncfence import DeviceError, Fence, _fence
-from asyncfence._backend import backend_for
+from asyncfence import DeviceError, Fence, _core
+from asyncfence._backend import backend_for, backend_names
 from asyncfence._backends import opencl as _opencl
-from asyncfence.testing import StreamGate, hold
+from asyncfence.testing import StreamGate, hold, open_default_device
 
 from .conftest import HANG_GUARD_S, let_loop_run, pause_at, until
 
@@ -34,25 +35,26 @@ if TYPE_CHECKING:
 
     import pyopencl as cl
 
-    from asyncfence.testing import CudaDevice, Device
+    from asyncfence.testing import Device
 
 
 # Every test here runs under each strategy: the semantics do not depend on it.
 pytestmark = pytest.mark.usefixtures("strategy")
 
 
-@pytest.fixture(params=["opencl", "cuda", "fake"])
-def new_stream(request: pytest.FixtureRequest) -> Iterator[Callable[[], Any]]:
-    """Makes fresh streams on one backend's device; they are closed afterwards."""
-    if request.param == "cuda":
-        cuda_device: CudaDevice = request.getfixturevalue("cuda_device")
-        device: Device = cuda_device
-    elif request.param == "opencl":
-        device = request.getfixturevalue("device")
-    else:
-        from asyncfence._backend import backend_named
+_devices: dict[str, Device] = {}
 
-        device = backend_named("fake").lab().open_device()
+
+@pytest.fixture(params=backend_names())
+def new_stream(request: pytest.FixtureRequest) -> Iterator[Callable[[], Any]]:
+    """Makes fresh streams on one registered backend's device; they are closed afterwards."""
+    name: str = request.param
+    device = _devices.get(name)
+    if device is None:
+        try:
+            device = _devices[name] = open_default_device(name)
+        except RuntimeError as missing:
+            pytest.skip(str(missing))
     made: list[Any] = []
 
     def make() -> Any:
@@ -382,8 +384,8 @@ async def test_fences_recorded_by_many_threads_while_the_loop_awaits(
 
         await anyio.to_thread.run_sync(join_all)
         assert len(fences) == 200
-        first_key = asyncfence.record(queues[0])._queue.key
-        held = [fence for fence in fences if fence._queue.key == first_key]
+        first_key = asyncfence.record(queues[0])._core.queue.key
+        held = [fence for fence in fences if fence._core.queue.key == first_key]
         assert held
         assert not any(fence.done() for fence in held)
         gate.release()
@@ -511,7 +513,7 @@ def test_a_fence_settled_by_another_thread_mid_poll_reads_as_done(
     answer: list[object] = []
 
     def poll_in_thread() -> None:
-        sys.settrace(pause_at(_fence.Fence._poll, "marker = self._marker", paused, go))
+        sys.settrace(pause_at(_core.FenceCore.poll, "marker = self._marker", paused, go))
         try:
             answer.append(fence.done())
         except BaseException as error:
@@ -545,7 +547,7 @@ def test_concurrent_records_are_numbered_in_queue_order(
         return queue_info(stream)
 
     monkeypatch.setattr(backend, "_queue_info", slow_queue_info)
-    fences: dict[str, _fence.Fence] = {}
+    fences: dict[str, Fence] = {}
 
     def record(name: str) -> None:
         fences[name] = asyncfence.record(opencl_queue)
@@ -560,7 +562,7 @@ def test_concurrent_records_are_numbered_in_queue_order(
     go.set()
     first.join(HANG_GUARD_S)
     second.join(HANG_GUARD_S)
-    assert fences["first"]._seq < fences["second"]._seq
+    assert fences["first"]._core.seq < fences["second"]._core.seq
 
 
 def test_a_child_forked_while_a_lock_is_held_gets_fresh_locks() -> None:
@@ -569,8 +571,8 @@ def test_a_child_forked_while_a_lock_is_held_gets_fresh_locks() -> None:
     # In a fresh process: forking this multi-threaded one is what the test is not about.
     code = """
 import os
-from asyncfence import _config, _fence
-locks = lambda: (_fence._settle_lock, _fence._record_locks[0], _config._configure_lock)
+from asyncfence import _config, _core
+locks = lambda: (_core._settle_lock, _core._record_locks[0], _config._configure_lock)
 a, b, c = locks()
 with a, b, c:  # as other threads might hold them at the fork
     pid = os.fork()

@@ -2,8 +2,8 @@
 
 The device runtime calls the shim on its own thread; it writes the waiting
 loop's mailbox fd, and the loop's own selector wakes the poller. These tests
-skip where the shim is not in use (the thread-based fallback's CI run);
-parked waits themselves are tested in ``test_poller.py``.
+skip where the shim is not in use (CI's run without it); parked waits
+themselves are tested in ``test_poller.py``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import threading
 
 import pytest
 
-from asyncfence._native import Shim, shim
-from asyncfence._poller import NativeMailbox
+from asyncfence._native import NativeMailbox, Shim, shim
 
 
 @pytest.fixture
@@ -37,6 +36,18 @@ def readable(fd: int) -> bool:
 def fire(native: Shim, slot: int) -> None:
     """Call the signal as the device runtime would (here from the calling thread)."""
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.fire)(slot)
+
+
+# -- the library ------------------------------------------------------------------------
+
+
+def test_the_shim_is_a_plain_shared_library(native: Shim) -> None:
+    # One file for every Python version: no ABI tag in its name, nothing of Python's in it.
+    assert os.path.basename(native.path) == "_shim.so"
+    library = ctypes.CDLL(native.path)
+    assert not hasattr(library, "PyInit__shim")
+    for name in ("af_mailbox_new", "af_fire", "af_opencl_callback", "af_mailbox_take"):
+        assert hasattr(library, name)
 
 
 # -- the mailbox ------------------------------------------------------------------------
@@ -134,8 +145,7 @@ def test_a_forked_child_never_drains_its_parents_mailbox(native: Shim) -> None:
     # In a fresh process, with no other thread: forking this one is not the point.
     code = """
 import ctypes, os, select
-from asyncfence._native import shim
-from asyncfence._poller import NativeMailbox
+from asyncfence._native import NativeMailbox, shim
 native = shim()
 mailbox = NativeMailbox(native)
 _, slot = mailbox.signal(3)

@@ -127,13 +127,13 @@ def test_a_fence_failing_while_enqueue_wait_runs_raises_saying_so() -> None:
     code = """
 import inspect, os, sys, threading
 import asyncfence
-from asyncfence import _fence
+from asyncfence import _core
 from asyncfence.testing import StreamGate, open_default_device
 device = open_default_device("opencl")
 queue, other = device.new_stream(), device.new_stream()
 gate = StreamGate(queue)
 fence = asyncfence.record(queue)
-lines, first = inspect.getsourcelines(_fence.Fence.enqueue_wait)
+lines, first = inspect.getsourcelines(_core.FenceCore.enqueue_wait)
 target = first + next(i for i, line in enumerate(lines) if "marker = self._pin()" in line)
 paused, go, result = threading.Event(), threading.Event(), []
 def local(frame, event, arg):
@@ -141,7 +141,7 @@ def local(frame, event, arg):
         paused.set(); go.wait(30)
     return local
 def calls(frame, event, arg):
-    return local if frame.f_code is _fence.Fence.enqueue_wait.__code__ else None
+    return local if frame.f_code is _core.FenceCore.enqueue_wait.__code__ else None
 def enqueue_wait():
     sys.settrace(calls)
     try:

@@ -1,8 +1,9 @@
 """The poller (``asyncfence._poller``): polling, parking, and failures.
 
 Polling queries only what can have completed; parked fences wake by their own
-completion signals, with no thread on the native path; and nothing the poller
-does can kill a loop's waits, or keep a dead loop alive.
+completion signals (or, without the native shim, by re-checks on the loop),
+with no thread either way; and nothing the poller does can kill a loop's
+waits, or keep a dead loop alive.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import ctypes
 import gc
+import itertools
 import logging
 import random
 import threading
@@ -22,8 +24,10 @@ import anyio
 import pytest
 
 import asyncfence
-from asyncfence import DeviceError, _poller, _watcher
-from asyncfence._loops import current_poller
+from asyncfence import DeviceError, _poller
+from asyncfence._core import FenceCore
+from asyncfence._native import NativeMailbox
+from asyncfence._poller import current_poller
 from asyncfence.testing import hold
 
 from .conftest import let_loop_run, poller_ticks, until
@@ -38,37 +42,19 @@ if TYPE_CHECKING:
     from .cuda_emulator import Emulator
 
 
-class _ThreadThatCannotStart(threading.Thread):
-    def start(self) -> None:
-        raise RuntimeError("can't start new thread")
-
-
-def _without_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No new thread can start for the watcher (only for it: trio needs its own)."""
-    import types
-
-    monkeypatch.setattr(
-        _watcher,
-        "threading",
-        types.SimpleNamespace(
-            Thread=_ThreadThatCannotStart,
-            Lock=threading.Lock,
-            current_thread=threading.current_thread,
-        ),
-    )
-
-
-@pytest.mark.usefixtures("thread_wake_path")
-async def test_a_thread_that_cannot_start_leaves_every_wait_working(
+@pytest.mark.logs_wait_errors
+async def test_a_fence_that_cannot_be_parked_is_polled_and_every_wait_works(
     device: OpenCLDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Once "auto" waits outlast their spin they are parked, and parking on the
-    # fallback needs the watcher thread. With no thread to be had, they are
-    # polled instead: every one resumes, and the loop's later waits work.
-    _watcher.current_watcher().stop(timeout=10)
-    _without_threads(monkeypatch)
+    # Once "auto" waits outlast their spin they are parked. Should parking
+    # raise (a backend bug), they are polled instead: every one resumes, and
+    # the loop's later waits work.
+    def broken_park(self: Any, fence: FenceCore) -> None:
+        raise RuntimeError("a bug in parking")
+
     queues = [device.new_stream() for _ in range(24)]
-    with contextlib.ExitStack() as stack, caplog.at_level(logging.WARNING, "asyncfence.poller"):
+    with contextlib.ExitStack() as stack, caplog.at_level(logging.ERROR, "asyncfence.poller"):
+        stack.enter_context(monkeypatch.context()).setattr(_poller._Parking, "park", broken_park)
         gates = [stack.enter_context(hold(queue)) for queue in queues]
         fences = [asyncfence.record(queue) for queue in queues]
         async with anyio.create_task_group() as tg:
@@ -76,16 +62,15 @@ async def test_a_thread_that_cannot_start_leaves_every_wait_working(
                 tg.start_soon(partial(fence.wait, strategy="auto"))
             tg.start_soon(partial(fences[0].wait, strategy="park"))
             await until(lambda: asyncfence.current_statistics().waiters == 25)
-            await until(lambda: not asyncfence.current_statistics().parked)
+            await until(lambda: "polling it instead" in caplog.text)
+            assert asyncfence.current_statistics().parked == 0
             for gate in gates:
                 gate.release()
     assert all(fence.done() for fence in fences)
-    assert "polling them instead" in caplog.text
     later = asyncfence.record(queues[0])
     with anyio.fail_after(10):
         await later.wait(strategy="park")  # the poller still works: a done fence resumes
-    monkeypatch.undo()
-    with hold(queues[1]) as gate:  # and with threads back, waits park again
+    with hold(queues[1]) as gate:  # and with parking mended, waits park again
         parked = asyncfence.record(queues[1])
         async with anyio.create_task_group() as tg:
             tg.start_soon(partial(parked.wait, strategy="park"))
@@ -93,10 +78,11 @@ async def test_a_thread_that_cannot_start_leaves_every_wait_working(
             gate.release()
 
 
+@pytest.mark.logs_wait_errors
 async def test_a_tick_that_raises_is_retried_not_lost(
     queue: cl.CommandQueue, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    real_tick = _poller.Poller._tick
+    real_tick = _poller.Poller._tick_at
     failures: list[float] = []
 
     def failing_once(self: _poller.Poller, now: float) -> float | None:
@@ -105,7 +91,7 @@ async def test_a_tick_that_raises_is_retried_not_lost(
             raise RuntimeError("a bug in a tick")
         return real_tick(self, now)
 
-    monkeypatch.setattr(_poller.Poller, "_tick", failing_once)
+    monkeypatch.setattr(_poller.Poller, "_tick_at", failing_once)
     with hold(queue) as gate, caplog.at_level(logging.ERROR, "asyncfence.loops"):
         fence = asyncfence.record(queue)
         async with anyio.create_task_group() as tg:
@@ -137,44 +123,6 @@ async def test_a_wait_whose_registration_fails_leaves_nothing_registered(
             await until(lambda: asyncfence.current_statistics().waiters == 1)
             gate.release()
     assert fence.done()
-
-
-@pytest.mark.usefixtures("thread_wake_path")
-async def test_an_unpark_that_raises_spares_the_rest_of_its_batch(
-    device: OpenCLDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    watcher = _watcher.current_watcher()
-    real_unpark = watcher.unpark
-    raised: list[object] = []
-
-    def unpark(fence: Any, target: Any) -> None:
-        if not raised:
-            raised.append(fence)
-            raise RuntimeError("unpark failed")
-        real_unpark(fence, target)
-
-    monkeypatch.setattr(watcher, "unpark", unpark)
-    queues = [device.new_stream() for _ in range(5)]
-    with contextlib.ExitStack() as stack, caplog.at_level(logging.ERROR, "asyncfence.poller"):
-        gates = [stack.enter_context(hold(queue)) for queue in queues]
-        fences = [asyncfence.record(queue) for queue in queues]
-        with anyio.CancelScope() as scope:
-            async with anyio.create_task_group() as tg:
-                for fence in fences:
-                    tg.start_soon(partial(fence.wait, strategy="park"))
-                await until(lambda: watcher.statistics().parked == 5)
-                scope.cancel()  # five unparks, in one batch
-        # The one that raised stays with the watcher; the other four left it.
-        await until(lambda: watcher.statistics().parked == 1)
-        assert "unparking" in caplog.text
-        other = next(fence for fence in fences if fence is not raised[0])
-        async with anyio.create_task_group() as tg:  # later batches still flush
-            tg.start_soon(partial(other.wait, strategy="park"))
-            await until(lambda: watcher.statistics().parked == 2)
-            tg.cancel_scope.cancel()
-        await until(lambda: watcher.statistics().parked == 1)
-        for gate in gates:
-            gate.release()
 
 
 @pytest.mark.parametrize("strategy", ["poll", "park"])
@@ -223,9 +171,8 @@ def test_a_loop_closed_while_tasks_wait_is_collected(queue: cl.CommandQueue, fac
         assert sum(ref() is not None for ref in loops) == 0
 
 
-async def test_two_hundred_timed_out_waits_leave_no_threads_behind(
-    device: OpenCLDevice, wake_path: str
-) -> None:
+@pytest.mark.usefixtures("no_thread_from_asyncfence")
+async def test_two_hundred_timed_out_waits_leave_no_threads_behind(device: OpenCLDevice) -> None:
     queues = [device.new_stream() for _ in range(200)]
     threads_before = {thread.ident for thread in threading.enumerate()}
     with contextlib.ExitStack() as stack:
@@ -240,8 +187,7 @@ async def test_two_hundred_timed_out_waits_leave_no_threads_behind(
         for thread in threading.enumerate()
         if thread.ident not in threads_before and "asyncfence" in thread.name
     ]
-    assert new == ([] if wake_path == "native" else new[:1])  # at most the fallback's watcher
-    assert len(new) <= 1
+    assert new == []
 
 
 async def _time_out(fence: asyncfence.Fence) -> None:
@@ -338,6 +284,7 @@ async def test_idle_poller_does_no_work(queue: cl.CommandQueue) -> None:
 async def test_statistics_before_any_wait_are_zero() -> None:
     stats = asyncfence.current_statistics()
     assert stats == asyncfence.PollerStatistics()
+    assert stats.wake_path is None  # decided when this loop first parks
 
 
 @pytest.mark.usefixtures("poll_by_default")
@@ -393,6 +340,7 @@ def stream(request: pytest.FixtureRequest, device: OpenCLDevice) -> Iterator[Any
     driver.cuStreamDestroy(cuda_stream)
 
 
+@pytest.mark.usefixtures("no_thread_from_asyncfence")
 async def test_park_leaves_the_loop_idle_while_the_work_runs(stream: Any, wake_path: str) -> None:
     with hold(stream) as gate:
         fence = asyncfence.record(stream)
@@ -405,11 +353,12 @@ async def test_park_leaves_the_loop_idle_while_the_work_runs(stream: Any, wake_p
             assert after.ticks == before.ticks == 0  # not one poll
             assert not after.running
             assert after.wake_path == wake_path
-            if wake_path == "native":  # the loop's own mailbox: no thread at all
+            if wake_path == "native":  # the loop's own mailbox: nothing to do until the signal
                 assert after.armed == 1
-                assert asyncfence.watcher_statistics().parked == 0  # nothing went to a thread
-            else:
-                assert asyncfence.watcher_statistics().parked >= 1
+                assert after.rechecks == before.rechecks
+            else:  # no shim: re-checked on the loop, by its timer
+                assert after.armed == 0
+                assert after.rechecks > before.rechecks
             assert not fence.done()
             gate.release()
     assert fence.done()
@@ -471,7 +420,7 @@ async def test_rechecks_back_off_while_nothing_settles_and_start_over_when_it_do
     device: OpenCLDevice, wake_path: str
 ) -> None:
     if wake_path != "native":
-        pytest.skip("the fallback watcher thread re-checks on its own schedule")
+        pytest.skip("without the shim, parked fences are re-checked up to every poll_cap")
     interval = asyncfence.configure().recheck_interval
     first_queue, second_queue = device.new_stream(), device.new_stream()
     with hold(first_queue) as first_gate, hold(second_queue):
@@ -480,7 +429,7 @@ async def test_rechecks_back_off_while_nothing_settles_and_start_over_when_it_do
             tg.start_soon(partial(first.wait, strategy="park"))
             await until(lambda: asyncfence.current_statistics().parked == 1)
             parking = current_poller()._parking
-            assert isinstance(parking, _poller._NativeParking)
+            assert isinstance(parking, _poller._Parking)
             # The steps are called directly: what each returns is the next delay.
             delays = [parking._recheck_step() for _ in range(5)]
             assert delays == [2 * interval, 4 * interval, 8 * interval, 8 * interval, 8 * interval]
@@ -561,21 +510,21 @@ async def test_when_the_oldest_leaves_the_next_one_is_signalled(stream: Any) -> 
 
 @pytest.mark.usefixtures("only_signals_wake")
 async def test_a_fence_settled_elsewhere_as_it_is_armed_still_wakes_its_waiters(
-    stream: Any, monkeypatch: pytest.MonkeyPatch
+    stream: Any, monkeypatch: pytest.MonkeyPatch, wake_path: str
 ) -> None:
     # When the oldest parked fence leaves, the next one is armed. Should it
     # have been settled elsewhere just then (another thread's done(), another
     # loop), no signal will ever come for it: it must be swept all the same.
-    from asyncfence._fence import Fence
-
-    real_arm = Fence._arm
+    if wake_path != "native":
+        pytest.skip("without the shim no signal is armed: every parked fence is re-checked")
+    real_arm = FenceCore.arm
     with hold(stream) as gate:
         oldest, behind = asyncfence.record(stream), asyncfence.record(stream)
 
-        def settled_first(self: Fence, signal: Any) -> str:
-            if self is behind:
+        def settled_first(self: FenceCore, signal: Any) -> str:
+            if self is behind._core:
                 gate.release()
-                while not self.done():  # settled here, by "another thread"
+                while not behind.done():  # settled here, by "another thread"
                     pass
             return real_arm(self, signal)
 
@@ -585,7 +534,7 @@ async def test_a_fence_settled_elsewhere_as_it_is_armed_still_wakes_its_waiters(
             await until(lambda: asyncfence.current_statistics().parked == 1)
             tg.start_soon(partial(behind.wait, strategy="park"))  # parked behind it: unarmed
             await until(lambda: asyncfence.current_statistics().parked == 2)
-            monkeypatch.setattr(Fence, "_arm", settled_first)
+            monkeypatch.setattr(FenceCore, "arm", settled_first)
             with anyio.fail_after(10):  # the re-check is 30 s away
                 oldest_scope.cancel()
                 await until(lambda: asyncfence.current_statistics().waiters == 0)
@@ -607,7 +556,6 @@ async def test_cancellation_racing_completion(queue: Any) -> None:
         await fence.wait(strategy="park")  # the late signal hurt nothing
         stats = asyncfence.current_statistics()
         assert (stats.waiters, stats.parked, stats.pending_fences) == (0, 0, 0)
-    await until(lambda: asyncfence.watcher_statistics().parked == 0)
 
 
 async def test_a_signal_after_the_waiter_left_is_harmless(queue: Any) -> None:
@@ -633,7 +581,7 @@ def asyncfence_threads(*, besides: set[int | None]) -> set[str]:
     }
 
 
-@pytest.mark.usefixtures("only_signals_wake")
+@pytest.mark.usefixtures("only_signals_wake", "no_thread_from_asyncfence")
 async def test_a_parked_wait_needs_no_thread(stream: Any, wake_path: str) -> None:
     threads_before = {thread.ident for thread in threading.enumerate()}
     with hold(stream) as gate:
@@ -641,12 +589,9 @@ async def test_a_parked_wait_needs_no_thread(stream: Any, wake_path: str) -> Non
         async with anyio.create_task_group() as tg:
             tg.start_soon(partial(fence.wait, strategy="park"))
             await until(lambda: asyncfence.current_statistics().parked == 1)
-            if wake_path == "native":
-                # (anyio runs trio tests in guest mode, whose I/O waits use a
-                # "Trio thread" of trio's own: so names, not a thread count.)
-                assert asyncfence_threads(besides=threads_before) == set()
-                # (A watcher thread a fallback test left may still be idling.)
-                assert asyncfence.watcher_statistics().parked == 0
+            # (anyio runs trio tests in guest mode, whose I/O waits use a
+            # "Trio thread" of trio's own: so names, not a thread count.)
+            assert asyncfence_threads(besides=threads_before) == set()
             signals = asyncfence.current_statistics().signals
             gate.release()
     assert fence.done()
@@ -697,14 +642,15 @@ async def test_a_signal_that_comes_before_its_fence_completes_arms_it_again(
             tg.start_soon(partial(fence.wait, strategy="park"))
             await until(lambda: asyncfence.current_statistics().armed == 1)
             parking = current_poller()._parking
-            assert isinstance(parking, _poller._NativeParking)
-            token = parking._token_of[id(fence)]
+            assert isinstance(parking, _poller._Parking)
+            token = parking._token_of[id(fence._core)]
             signals = asyncfence.current_statistics().signals
             # A signal with the fence's token while the fence is still held,
             # as from a runtime that calls back before its status reads so.
+            assert parking._mailbox is not None
             _, slot = parking._mailbox.signal(token)
             ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.fire)(slot)
-            await until(lambda: parking._token_of.get(id(fence), token) != token)
+            await until(lambda: parking._token_of.get(id(fence._core), token) != token)
             assert asyncfence.current_statistics().signals == signals + 1
             assert not fence.done()
             gate.release()  # its new signal wakes it: the re-check is 30 s away
@@ -733,7 +679,7 @@ def noted_calls(
 @pytest.fixture
 def rests_of_wakes(wake_path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """A list that gets "rest" each time the rest of a native wake runs."""
-    return noted_calls(monkeypatch, wake_path, _poller._NativeParking, "_after_signals", "rest")
+    return noted_calls(monkeypatch, wake_path, _poller._Parking, "_finish_wake", "rest")
 
 
 @pytest.mark.usefixtures("only_signals_wake")
@@ -756,11 +702,11 @@ async def test_a_woken_task_runs_before_the_rest_of_its_wake(
             gate.release()
             with anyio.fail_after(10):  # the re-check is 30 s away
                 await until(lambda: "second" in events)
-                await until(lambda: first._marker is None)  # released by the rest
+                await until(lambda: first._core.marker_released)  # released by the rest
     assert events[:2] == ["first", "rest"]
     # The second was woken by that rest's sweep, or by its own signal, armed by it.
     assert events.index("second") > 1
-    assert second._marker is None
+    assert second._core.marker_released
     stats = asyncfence.current_statistics()
     assert (stats.waiters, stats.parked, stats.armed) == (0, 0, 0)
 
@@ -782,9 +728,9 @@ async def test_a_fence_parked_by_a_task_just_woken_gets_its_signal_at_once(
                     await first.wait(strategy="park")
                     assert not rests_of_wakes  # the rest of this wake has not run yet
                     parking = current_poller()._parking
-                    assert isinstance(parking, _poller._NativeParking)
+                    assert isinstance(parking, _poller._Parking)
                     with hold(stream) as second_gate:
-                        second = asyncfence.record(stream)
+                        second = asyncfence.record(stream)._core
                         parking.park(second)
                         armed_at_once.append(parking._has_signal(second))
                         parking.unpark(second)
@@ -799,7 +745,7 @@ async def test_a_fence_parked_by_a_task_just_woken_gets_its_signal_at_once(
 @pytest.fixture
 def takes_noted(wake_path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """A list that gets "take" each time a native wake asks the shim for its signals."""
-    return noted_calls(monkeypatch, wake_path, _poller.NativeMailbox, "_take_with", "take")
+    return noted_calls(monkeypatch, wake_path, NativeMailbox, "_take_with", "take")
 
 
 @pytest.mark.parametrize("armed", [1, 2], ids=["one-signal-armed", "two-signals-armed"])
@@ -823,7 +769,7 @@ async def test_a_wake_asks_the_shim_first_only_with_more_than_one_signal_armed(
             gate.release()
             with anyio.fail_after(10):  # the re-check is 30 s away
                 await until(lambda: "woken" in events)
-                await until(lambda: fence._marker is None)  # released by the rest
+                await until(lambda: fence._core.marker_released)  # released by the rest
             assert events[:2] == (["woken", "take"] if armed == 1 else ["take", "woken"])
             other_gate.release()
     assert asyncfence.current_statistics().parked == 0
@@ -831,6 +777,7 @@ async def test_a_wake_asks_the_shim_first_only_with_more_than_one_signal_armed(
 
 @pytest.mark.parametrize("armed", [1, 2], ids=["one-signal-armed", "two-signals-armed"])
 @pytest.mark.usefixtures("only_signals_wake")
+@pytest.mark.logs_wait_errors
 async def test_a_reader_that_raises_leaves_the_loop_and_its_waits_working(
     stream: Any,
     device: OpenCLDevice,
@@ -842,10 +789,10 @@ async def test_a_reader_that_raises_leaves_the_loop_and_its_waits_working(
     # One signal armed: the rest of the wake raises. Two: the wake itself.
     if wake_path != "native":
         pytest.skip("the native shim is not in use in this run")
-    take_with = _poller.NativeMailbox._take_with
+    take_with = NativeMailbox._take_with
     calls = 0
 
-    def take_failing_once(self: _poller.NativeMailbox, take: Any) -> list[int]:
+    def take_failing_once(self: NativeMailbox, take: Any) -> list[int]:
         nonlocal calls
         calls += 1
         if calls == 1:
@@ -864,7 +811,7 @@ async def test_a_reader_that_raises_leaves_the_loop_and_its_waits_working(
                     if armed == 2:
                         tg.start_soon(partial(bystander.wait, strategy="park"))
                     await until(lambda: asyncfence.current_statistics().armed == armed)
-                    monkeypatch.setattr(_poller.NativeMailbox, "_take_with", take_failing_once)
+                    monkeypatch.setattr(NativeMailbox, "_take_with", take_failing_once)
                     gate.release()
                     await until(fence.done)
                     other_gate.release()
@@ -889,12 +836,74 @@ async def test_64_waiters_on_64_queues_completing_in_random_order(device: OpenCL
     assert asyncfence.current_statistics().parked == 0
 
 
-async def test_a_thousand_parked_queues_add_no_thread_per_queue(device: OpenCLDevice) -> None:
+@pytest.mark.parametrize("shim", ["native", "no shim"])
+@pytest.mark.usefixtures("no_thread_from_asyncfence")
+async def test_a_thousand_parked_waits_start_no_thread(
+    device: OpenCLDevice, shim: str, wake_path: str, request: pytest.FixtureRequest
+) -> None:
+    if shim == "native" and wake_path != "native":
+        pytest.skip("the native shim is not in use in this run")
+    if shim == "no shim":
+        request.getfixturevalue("without_shim")
     queues = [device.new_stream() for _ in range(1000)]
-    threads_before = threading.active_count()
+    threads_before = {thread.ident for thread in threading.enumerate()}
     async with parked_on_held(queues) as (gates, fences):
-        # At most the fallback's watcher, and trio's guest-mode I/O thread.
-        assert threading.active_count() - threads_before <= 2
+        assert asyncfence.current_statistics().wake_path == (
+            "native" if shim == "native" else "polling"
+        )
+        # None of asyncfence's; at most trio's guest-mode I/O thread, of trio's own.
+        new = [thread for thread in threading.enumerate() if thread.ident not in threads_before]
+        assert len(new) <= 1
+        assert asyncfence_threads(besides=threads_before) == set()
         for gate in gates:
             gate.release()
     assert all(fence.done() for fence in fences)
+
+
+# -- without the native shim --------------------------------------------------------
+
+
+@pytest.mark.usefixtures("without_shim", "no_thread_from_asyncfence")
+async def test_without_the_shim_parked_waits_are_rechecked_backing_off_to_poll_cap(
+    device: OpenCLDevice,
+) -> None:
+    asyncfence.configure(poll_cap=0.004)
+    first_queue, second_queue = device.new_stream(), device.new_stream()
+    with hold(first_queue) as first_gate, hold(second_queue) as second_gate:
+        first, second = asyncfence.record(first_queue), asyncfence.record(second_queue)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(first.wait, strategy="park"))
+            tg.start_soon(partial(second.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 2)
+            parking = current_poller()._parking
+            assert isinstance(parking, _poller._Parking)
+            assert parking.wake_path == "polling"
+            assert asyncfence.current_statistics().armed == 0
+            # The steps are called directly: what each returns is the next delay
+            # (the loop's timer may have run a few already).
+            delays = [parking._recheck_step() for _ in range(8)]
+            for earlier, later in itertools.pairwise(delays):
+                assert earlier is not None
+                assert later == pytest.approx(min(2 * earlier, 0.004))
+            assert delays[-1] == pytest.approx(0.004)
+            first_gate.release()
+            first.wait_sync()
+            assert parking._recheck_step() == pytest.approx(50e-6)  # it found one settled
+            second_gate.release()
+    assert first.done()
+    assert second.done()
+
+
+def test_a_missing_shim_is_said_once_as_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_poller, "shim", lambda: None)
+    monkeypatch.setattr(_poller, "unavailable_reason", lambda: "the shim was not built")
+    monkeypatch.setattr(_poller, "_shim_warned", False)
+    with caplog.at_level(logging.WARNING, "asyncfence.poller"):
+        assert _poller._new_mailbox() is None  # a first loop parks
+        assert _poller._new_mailbox() is None  # and a second
+    warnings = [r.getMessage() for r in caplog.records if r.name == "asyncfence.poller"]
+    assert len(warnings) == 1
+    assert "the native wake shim is not in use: the shim was not built" in warnings[0]
+    assert "install a C compiler" in warnings[0]

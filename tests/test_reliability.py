@@ -59,7 +59,7 @@ def run_script(code: str, backend: str, cuda_mode: str) -> subprocess.CompletedP
 
 
 @pytest.mark.parametrize("backend", ["opencl", "cuda"])
-def test_fork_while_the_watcher_runs_gives_the_child_a_clear_error(
+def test_fork_while_a_wait_is_parked_gives_the_child_a_clear_error(
     backend: str, cuda_mode: str
 ) -> None:
     result = run_script(

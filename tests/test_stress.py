@@ -20,8 +20,6 @@ import pytest
 import asyncfence
 from asyncfence.testing import hold
 
-from .conftest import until
-
 if TYPE_CHECKING:
     from asyncfence.testing import OpenCLDevice
 
@@ -81,9 +79,8 @@ async def test_many_fences_waiters_cancellations_and_timeouts(device: OpenCLDevi
     assert all(fence.done() for fence in fences)
     stats = asyncfence.current_statistics()
     assert (stats.pending_fences, stats.waiters, stats.parked) == (0, 0, 0)
-    await until(lambda: asyncfence.watcher_statistics().parked == 0)
-    # Threads: the watcher and at most one native waiter per queue, never one per wait.
-    assert threading.active_count() <= threads_before + 1 + QUEUES
+    # asyncfence starts no thread (trio's guest mode may have one of its own).
+    assert threading.active_count() <= threads_before + 1
 
 
 async def test_memory_stays_flat_over_many_fences(device: OpenCLDevice) -> None:

@@ -1,12 +1,16 @@
 """The device backends, one package each, registered here (see :mod:`asyncfence._backend`).
 
 Streams are matched against them in this order; the default device is the
-one of lowest ``default_rank`` that has a device (a GPU first).
+one of lowest ``default_rank`` that has a device (a GPU first). A backend's
+public classes (CUDA's buffers, each lab's device) are re-exported from here
+for ``asyncfence`` and ``asyncfence.testing``.
 """
 
 from .._backend import register_backend
-from .cuda import CudaBackend
-from .opencl import OpenCLBackend
+from .cuda import CudaBackend, CudaDevice, DeviceBuffer, PinnedBuffer
+from .opencl import OpenCLBackend, OpenCLDevice
+
+__all__ = ["CudaDevice", "DeviceBuffer", "OpenCLDevice", "PinnedBuffer"]
 
 register_backend(OpenCLBackend())
 register_backend(CudaBackend())

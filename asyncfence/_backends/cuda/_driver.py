@@ -11,10 +11,12 @@ from __future__ import annotations
 import ctypes
 import operator
 import os
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, Final, Literal, SupportsInt, cast
 
-from ..._exceptions import DeviceError, DriverNotFoundError, FenceError
+from ... import _fork
+from ..._exceptions import DeviceError, DriverNotFoundError
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -69,10 +71,10 @@ _PER_THREAD_VARIABLE = "CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM"
 
 _driver_module: ModuleType | None = None
 _driver_lock = threading.Lock()
-# Set in a child forked after (or while) this process initialised the driver:
-# CUDA does not survive fork(), so the child is told so instead of hanging.
-_forked_after_init = False
-_initialising = False
+# CUDA does not survive fork(): a child forked after (or while) this process
+# initialised the driver is told so by driver() instead of hanging.
+_fork.clear_after_fork(sys.modules[__name__], "_driver_module")
+_fork.renew_after_fork(sys.modules[__name__], "_driver_lock")
 _per_thread_default_stream = False
 
 
@@ -107,23 +109,17 @@ def driver(needed_for: str = "CUDA streams") -> ModuleType:
     Raises:
         DriverNotFoundError: No NVIDIA driver (``libcuda.so.1``) could be loaded.
         DeviceError: ``cuInit`` failed.
+        FenceError: This process was forked after (or while) its parent
+            initialised the driver.
     """
-    global _driver_module, _initialising
+    global _driver_module
     if _driver_module is not None:
         return _driver_module
-    if _forked_after_init:
-        raise FenceError(
-            "this process was forked after its parent initialised the CUDA driver, which "
-            "does not survive fork(); start processes that use the device with the "
-            "'spawn' or 'forkserver' start method"
-        )
+    _fork.check_unused_by_parent("cuda", "the CUDA driver")
     with _driver_lock:
         if _driver_module is None:
-            _initialising = True
-            try:
-                _driver_module = _initialise(needed_for)
-            finally:
-                _initialising = False
+            _fork.note_used("cuda")  # from the start: a fork during cuInit is caught too
+            _driver_module = _initialise(needed_for)
     return _driver_module
 
 
@@ -146,17 +142,6 @@ def _initialise(needed_for: str) -> ModuleType:
         raise device_error(drv, err, "cuInit failed")
     module: ModuleType = drv
     return module
-
-
-def _after_fork_in_child() -> None:
-    global _driver_module, _driver_lock, _forked_after_init
-    _forked_after_init = _driver_module is not None or _initialising
-    _driver_module = None
-    _driver_lock = threading.Lock()  # another thread may have held it at the fork
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def device_error(drv: ModuleType, err: Any, detail: str = "") -> DeviceError:

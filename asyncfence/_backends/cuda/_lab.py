@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import ctypes
-import os
+import sys
 import threading
 from typing import Any
 
+from ... import _fork
 from ..._backend import GateParts
 from ..._devices import CHUNK_BYTES, Device
 from ..._exceptions import FenceError
-from ._driver import as_cu_stream, check, driver
+from ..._native import NativeMailbox, shim, unavailable_reason
+from ._driver import HostFunctionLauncher, as_cu_stream, check, device_error, driver
 
 __all__ = ["CudaDevice", "CudaLab"]
 
@@ -19,21 +21,14 @@ __all__ = ["CudaDevice", "CudaLab"]
 _FLAGS_PER_PAGE = 1024
 _flag_pages: dict[int, tuple[int, int, int]] = {}  # context -> (host, device, next slot)
 _flag_lock = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    global _flag_lock
-    _flag_lock = threading.Lock()  # another thread of the parent may have held it
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork.renew_after_fork(sys.modules[__name__], "_flag_lock")
 
 
 class CudaDevice(Device):
     """A CUDA device, through its primary context."""
 
     backend = "cuda"
+    is_gpu = True
 
     def __init__(self, ordinal: int = 0) -> None:
         super().__init__()
@@ -46,6 +41,8 @@ class CudaDevice(Device):
         self.name = raw_name.split(b"\0", 1)[0].decode(errors="replace")
         self._buffer = 0
         self._events: list[Any] = []
+        self._mailbox: NativeMailbox | None = None
+        self._launcher: HostFunctionLauncher | None = None
 
     def make_current(self) -> None:
         """Make the device's context current on the calling thread."""
@@ -101,6 +98,43 @@ class CudaDevice(Device):
         """Back to the pool."""
         self._events.append(event)
 
+    def launch_wake_signal(self, stream: Any) -> str:
+        """Queue asyncfence's completion signal on ``stream``, as a parked wait queues it.
+
+        That is the native shim's host function, through the driver's own
+        ``cuLaunchHostFunc`` entry point: no Python runs on the driver's
+        thread. It posts to a mailbox of this device's that no loop watches,
+        emptied at each call. For measuring how long the signal holds the
+        stream it runs on (the benchmark's ``signal_hold``); parked waits
+        launch it on side streams, never on the user's.
+
+        Returns:
+            The entry point it went through: ``"v2"`` or ``"v1"``.
+
+        Raises:
+            RuntimeError: The shim is not built, or the driver has no
+                ``cuLaunchHostFunc``.
+            DeviceError: The driver refused the launch.
+        """
+        native = shim()
+        if native is None:
+            raise RuntimeError(f"the native wake shim is not in use: {unavailable_reason()}")
+        if self._launcher is None:
+            self._launcher = HostFunctionLauncher(self._drv)  # as the backend resolves it
+        launcher = self._launcher
+        if launcher.path == "none":
+            raise RuntimeError("the driver offers no cuLaunchHostFunc entry point")
+        if self._mailbox is None:
+            self._mailbox = NativeMailbox(native)
+        self._mailbox.take()  # frees the slots of the signals fired so far
+        signal, slot = self._mailbox.signal(0)
+        _, handle = as_cu_stream(self._drv, stream)
+        err = launcher.launch(handle, signal.host_function, signal.argument)
+        if err != self._drv.CUresult.CUDA_SUCCESS:
+            self._mailbox.discard(slot)
+            raise device_error(self._drv, err, f"cuLaunchHostFunc ({launcher.path}) failed")
+        return launcher.path
+
     def close(self) -> None:
         """Destroy the pooled raw events."""
         for event in self._events:
@@ -130,6 +164,8 @@ def _flag(drv: Any, context: int) -> tuple[int, int]:
 
 class CudaLab:
     """The CUDA backend's devices and test gates."""
+
+    fails_gates = False  # the host cannot fail a CUDA stream
 
     def open_device(self) -> CudaDevice:
         """CUDA device 0.

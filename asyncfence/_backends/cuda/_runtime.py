@@ -12,12 +12,12 @@ user's stream is never held by a signal.
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import threading
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
+from ... import _fork
 from ..._backend import Backend, BackendStatistics, NativeSignal, QueueInfo
 from ..._exceptions import FenceError
 from . import _driver
@@ -39,12 +39,12 @@ from ._driver import (
     push_context,
     stream_device,
 )
+from ._lab import CudaLab
 
 if TYPE_CHECKING:
     from collections.abc import Hashable
     from types import ModuleType
 
-    from ._lab import CudaLab
 
 __all__ = ["CudaBackend"]
 
@@ -130,13 +130,7 @@ class CudaBackend(Backend[_CudaMarker]):
         self._orders = itertools.count()
         self._side_lock = threading.Lock()
         self._launcher: HostFunctionLauncher | None = None
-        if hasattr(os, "register_at_fork"):  # the parent's threads may have held them
-            os.register_at_fork(after_in_child=self._renew_locks)
-
-    def _renew_locks(self) -> None:
-        self._pools_lock = threading.Lock()
-        self._primary_lock = threading.Lock()
-        self._side_lock = threading.Lock()
+        _fork.renew_after_fork(self, "_pools_lock", "_primary_lock", "_side_lock")
 
     def claims(self, stream: object) -> bool:
         return is_cuda_stream(stream)
@@ -388,12 +382,7 @@ class CudaBackend(Backend[_CudaMarker]):
             raise device_error(drv, err, f"cuLaunchHostFunc ({launcher.path}) failed")
         return True
 
-    def signal_path(self) -> str | None:
-        return self.host_function_path()
-
     def lab(self) -> CudaLab:
-        from ._lab import CudaLab
-
         return CudaLab()
 
     def release(self, marker: _CudaMarker) -> None:

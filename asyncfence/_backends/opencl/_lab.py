@@ -26,8 +26,11 @@ class OpenCLDevice(Device):
     def __init__(self, context: cl.Context) -> None:
         super().__init__()
         self.context = context
+        import pyopencl as cl
+
         device = context.devices[0]
         self.name = f"{device.name.strip()} ({device.platform.name.strip()})"
+        self.is_gpu = bool(device.type & cl.device_type.GPU)
         self._buffers: tuple[cl.Buffer, cl.Buffer] | None = None
         # The host clock of the profiling stamps, once stamp_streams found it.
         self._stamp_clock: int | None = None
@@ -168,6 +171,8 @@ class OpenCLDevice(Device):
 
 class OpenCLLab:
     """The OpenCL backend's devices and test gates."""
+
+    fails_gates = True
 
     def open_device(self) -> OpenCLDevice:
         """The first OpenCL device, preferring a GPU (PoCL's CPU device otherwise).

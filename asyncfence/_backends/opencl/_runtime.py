@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
 import threading
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ... import _fork
 from ..._backend import Backend, BackendStatistics, NativeSignal, QueueInfo
 from ..._exceptions import DeviceError
+from ._lab import OpenCLLab
 
 if TYPE_CHECKING:
     from collections.abc import Hashable
 
     import pyopencl as cl
 
-    from ._lab import OpenCLLab
 
 __all__ = ["OpenCLBackend"]
 
@@ -76,11 +76,7 @@ class OpenCLBackend(Backend["cl.Event"]):
         self._failed: deque[cl.Event] = deque(maxlen=_FAILED_KEPT)
         self._sweep_at = _GRAVEYARD_MIN_SWEEP
         self._sweep_lock = threading.Lock()
-        if hasattr(os, "register_at_fork"):  # the parent's threads may have held it
-            os.register_at_fork(after_in_child=self._renew_locks)
-
-    def _renew_locks(self) -> None:
-        self._sweep_lock = threading.Lock()
+        _fork.renew_after_fork(self, "_sweep_lock")
 
     def claims(self, stream: object) -> bool:
         cl = sys.modules.get("pyopencl")
@@ -167,12 +163,7 @@ class OpenCLBackend(Backend["cl.Event"]):
             raise DeviceError(self.name, code, _status_name(code), "clSetEventCallback failed")
         return True
 
-    def signal_path(self) -> str | None:
-        return "clSetEventCallback"
-
     def lab(self) -> OpenCLLab:
-        from ._lab import OpenCLLab
-
         return OpenCLLab()
 
     def release(self, marker: cl.Event) -> None:
@@ -208,7 +199,7 @@ class OpenCLBackend(Backend["cl.Event"]):
         return BackendStatistics(
             backend=self.name,
             held_markers=len(self._graveyard) + len(self._failed),
-            signal_path=self.signal_path(),
+            signal_path="clSetEventCallback",
         )
 
 

@@ -2,32 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import threading
-import weakref
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, final
 
-from ._backend import backend_for, backend_named, backend_names
+from .. import _fork
+from .._backend import backend_for, backend_named, backend_names
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from ._devices import Device
+    from .._devices import Device
 
 __all__ = ["StreamGate", "hold", "open_default_device"]
-
-_gates: weakref.WeakSet[StreamGate] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    # Another thread of the parent may have held them at the fork.
-    for gate in list(_gates):
-        gate._lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @final
@@ -51,8 +38,8 @@ class StreamGate:
         self._backend = backend.title
         self._parts = backend.lab().gate(stream)
         self._lock = threading.Lock()
+        _fork.renew_after_fork(self, "_lock")
         self._open = False
-        _gates.add(self)
 
     @property
     def held(self) -> bool:

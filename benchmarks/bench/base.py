@@ -6,14 +6,13 @@ import asyncio
 import math
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, final
 
 import anyio
-
-from ..._loops import in_trio
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -77,7 +76,8 @@ def default_executor_workers() -> int:
 
 def on_trio() -> bool:
     """Whether the running loop is trio's (the benchmark runs on asyncio, uvloop and trio)."""
-    return in_trio()  # anyio no longer brings sniffio: asyncfence's own check
+    trio = sys.modules.get("trio")  # never imported to find out
+    return trio is not None and bool(trio.lowlevel.in_trio_task())
 
 
 def thread_pool_size(loop_name: str) -> int:

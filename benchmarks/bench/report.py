@@ -35,7 +35,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from asyncfence._devices import Device
+    from asyncfence.testing import Device
 
 __all__ = [
     "LATENCY_SCENARIOS",

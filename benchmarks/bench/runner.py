@@ -26,7 +26,7 @@ from .targets import Context, contenders, device_finish_row, make_target, probe_
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
-    from asyncfence._devices import Device
+    from asyncfence.testing import Device
 
 __all__ = ["SCENARIOS", "Progress", "Scenario", "estimate_seconds", "run_bench"]
 
@@ -195,9 +195,9 @@ class Progress:
 
 
 def _note_wake_path(results: Results) -> None:
-    statistics = asyncfence.current_statistics()
-    results.meta["wake_path"] = statistics.wake_path
-    results.meta["cuda_signal"] = statistics.cuda_signal
+    results.meta["wake_path"] = asyncfence.current_statistics().wake_path
+    paths = {stats.backend: stats.signal_path for stats in asyncfence.backend_statistics()}
+    results.meta["cuda_signal"] = paths.get("cuda")
 
 
 async def _run(

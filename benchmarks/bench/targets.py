@@ -40,7 +40,7 @@ from .base import (
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from asyncfence._devices import Device
+    from asyncfence.testing import Device
 
 __all__ = [
     "Contender",

@@ -1,0 +1,116 @@
+"""Everything asyncfence does about ``fork()``, in one place.
+
+Device runtimes do not survive ``fork()``: their threads stay behind in the
+parent and their locks may be held there. So a forked child:
+
+* refuses, with a :class:`~asyncfence.FenceError` that says what to do
+  instead, a fence recorded before the fork (:func:`generation`) and a
+  backend used before it (:func:`check_unused_by_parent`);
+* gets fresh locks wherever asyncfence keeps one (:func:`renew_after_fork`):
+  a lock that another thread held at the fork would never be released there;
+* starts without the parent's handles on a runtime (:func:`clear_after_fork`),
+  so that the next use finds the runtime refused rather than hangs in it;
+* never touches what it inherited of the native wake shim (its mailboxes
+  compare :func:`generation`).
+
+This module holds the one ``os.register_at_fork`` hook of the package.
+
+Thread-safety: every function may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Final
+
+from ._exceptions import FenceError
+
+__all__ = [
+    "ADVICE",
+    "check_unused_by_parent",
+    "clear_after_fork",
+    "generation",
+    "note_used",
+    "renew_after_fork",
+]
+
+#: What to do instead, for every error about a fork.
+ADVICE: Final = (
+    "device runtimes do not survive fork(); start processes that use the device "
+    "with the 'spawn' or 'forkserver' start method"
+)
+
+_generation = 0
+_used: set[str] = set()
+_used_by_parent: frozenset[str] = frozenset()
+# Owners (modules and objects) and the names of their lock attributes, and
+# of the attributes a child starts without.
+_locks: weakref.WeakKeyDictionary[object, tuple[str, ...]] = weakref.WeakKeyDictionary()
+_cleared: weakref.WeakKeyDictionary[object, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def generation() -> int:
+    """How many forks separate this process from the one that imported asyncfence."""
+    return _generation
+
+
+def note_used(backend: str) -> None:
+    """Record that this process has used ``backend``'s runtime (a forked child may not)."""
+    _used.add(backend)
+
+
+def check_unused_by_parent(backend: str, title: str) -> None:
+    """Refuse a runtime that the process this one was forked from had used.
+
+    Args:
+        backend: The backend's name, as given to :func:`note_used`.
+        title: The runtime's name, for the message.
+
+    Raises:
+        FenceError: The parent used it before the fork.
+    """
+    if backend in _used_by_parent:
+        raise FenceError(f"{title} was in use before fork(): {ADVICE}")
+
+
+def renew_after_fork(owner: object, *attributes: str) -> None:
+    """Give ``owner`` a fresh lock in each of these attributes in a forked child.
+
+    Each attribute holds a ``threading.Lock`` (or ``RLock``), or a tuple of
+    them. ``owner`` is held weakly: a module, or any object with weak
+    references.
+    """
+    _locks[owner] = (*_locks.get(owner, ()), *attributes)
+
+
+def clear_after_fork(owner: object, *attributes: str) -> None:
+    """Set these attributes of ``owner`` to ``None`` in a forked child.
+
+    For what the parent made of a runtime (a loaded driver, say): the
+    child's next use then takes the slow path, which refuses it.
+    """
+    _cleared[owner] = (*_cleared.get(owner, ()), *attributes)
+
+
+def _fresh(lock: object) -> object:
+    if isinstance(lock, tuple):
+        return tuple(_fresh(each) for each in lock)
+    return threading.RLock() if isinstance(lock, type(threading.RLock())) else threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _generation, _used_by_parent
+    _generation += 1
+    _used_by_parent = frozenset(_used)
+    for owner, attributes in list(_cleared.items()):
+        for attribute in attributes:
+            setattr(owner, attribute, None)
+    for owner, attributes in list(_locks.items()):
+        for attribute in attributes:
+            setattr(owner, attribute, _fresh(getattr(owner, attribute)))
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,191 @@
+"""The :class:`~asyncfence._loops._driver.LoopDriver` of asyncio (uvloop included)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import weakref
+from typing import TYPE_CHECKING, Final
+
+from ._driver import guarded, read_guarded, retry_delay
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ._driver import Waiter
+
+__all__ = ["AsyncioDriver", "driver_of"]
+
+_logger = logging.getLogger("asyncfence.loops")
+
+# Where a loop keeps its driver (and so its poller): on the loop itself, so
+# that a loop closed with waits pending is collected with its poller (a
+# registry keyed by the loop would be kept alive by the waiters' futures,
+# which refer to the loop).
+_DRIVER_ATTRIBUTE: Final = "_asyncfence_driver"
+
+
+class _AsyncioChain:
+    """A step that reschedules itself with ``call_soon`` / ``call_at``."""
+
+    __slots__ = ("_due", "_handle", "_loop", "_soon", "_step")
+
+    def __init__(
+        self, loop: weakref.ref[asyncio.AbstractEventLoop], step: Callable[[], float | None]
+    ) -> None:
+        self._loop = loop
+        self._step = step
+        self._handle: asyncio.Handle | None = None
+        self._soon = False
+        self._due = math.inf
+
+    @property
+    def running(self) -> bool:
+        return self._handle is not None
+
+    def ensure(self, delay: float) -> None:
+        handle = self._handle
+        if handle is not None and self._soon:
+            return  # nothing is sooner
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return
+        if delay <= 0:
+            if handle is not None:
+                handle.cancel()
+            self._handle, self._soon = loop.call_soon(self._run), True
+            return
+        due = loop.time() + delay
+        if handle is not None and self._due <= due:
+            return
+        if handle is not None:
+            handle.cancel()
+        self._handle, self._soon, self._due = loop.call_at(due, self._run), False, due
+
+    def _run(self) -> None:
+        self._handle, self._due = None, math.inf
+        try:
+            delay = self._step()
+        except Exception:  # never lost: the loop's later waits must still work
+            _logger.exception("asyncfence: a poller step raised; retrying it")
+            delay = retry_delay()
+        if delay is not None:
+            self.ensure(delay)
+
+
+class _FutureWaiter:
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future[bool]) -> None:
+        self.future = future
+
+    def wake(self, error: BaseException | None) -> None:
+        future = self.future
+        if future.done():  # cancelled or timed out meanwhile
+            return
+        if error is None:
+            future.set_result(True)
+        else:
+            future.set_exception(error)
+
+
+def _expire(future: asyncio.Future[bool]) -> None:
+    if not future.done():
+        future.set_result(False)
+
+
+class AsyncioDriver:
+    """An asyncio loop's primitives (see :class:`~asyncfence._loops._driver.LoopDriver`).
+
+    Thread-safety: as the protocol says.
+    """
+
+    __slots__ = ("__weakref__", "_loop", "poller")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Weak: the loop holds this driver, not the reverse.
+        self._loop = weakref.ref(loop)
+        self.poller: object = None
+
+    # -- for the wait ------------------------------------------------------------
+
+    def new_waiter(self) -> _FutureWaiter:
+        loop = self._loop()
+        assert loop is not None
+        return _FutureWaiter(loop.create_future())
+
+    async def checkpoint(self) -> None:
+        await asyncio.sleep(0)
+
+    async def suspend(self, waiter: Waiter, seconds: float, abort: Callable[[], None]) -> bool:
+        assert isinstance(waiter, _FutureWaiter)
+        timer = None
+        if seconds != math.inf:
+            loop = self._loop()
+            assert loop is not None
+            timer = loop.call_later(seconds, _expire, waiter.future)
+        # No abort(): a cancellation unwinds through the caller, which
+        # unregisters the waiter, and a wake that comes late finds its future
+        # done.
+        try:
+            return await waiter.future
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    # -- for the poller ----------------------------------------------------------
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        run = guarded(callback, "a poller callback")
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            run()  # a task abandoned on a closed loop, being closed: clean up now
+            return
+        loop.call_soon(run)
+
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        loop = self._loop()
+        if loop is None:
+            raise RuntimeError("the event loop is gone")
+        loop.call_soon_threadsafe(guarded(callback, "a poller callback"))
+
+    def chain(self, step: Callable[[], float | None]) -> _AsyncioChain:
+        return _AsyncioChain(self._loop, step)
+
+    def watch_readable(self, fd: int, on_readable: Callable[[], bool]) -> bool:
+        loop = self._loop()
+        if loop is None:
+            return False
+        try:
+            # A True return left fd readable: the selector reports it again on
+            # the next turn, and its callback queues behind the ready ones (the
+            # woken tasks), since the ready queue is first in, first out.
+            loop.add_reader(fd, read_guarded, on_readable)
+        except NotImplementedError:  # a proactor loop (Windows)
+            return False
+        return True
+
+    def is_closed(self) -> bool:
+        loop = self._loop()
+        return loop is None or loop.is_closed()
+
+
+_unattributable: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncioDriver] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def driver_of(loop: asyncio.AbstractEventLoop, *, create: bool) -> AsyncioDriver | None:
+    """``loop``'s driver; made on first use where ``create``, else ``None`` until then."""
+    driver: AsyncioDriver | None = getattr(loop, _DRIVER_ATTRIBUTE, None)
+    if driver is not None:
+        return driver
+    driver = _unattributable.get(loop)
+    if driver is None and create:
+        driver = AsyncioDriver(loop)
+        try:
+            setattr(loop, _DRIVER_ATTRIBUTE, driver)
+        except AttributeError:  # a loop without __dict__: a weak registry instead
+            _unattributable[loop] = driver
+    return driver

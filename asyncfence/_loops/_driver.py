@@ -1,0 +1,143 @@
+"""The one protocol every event loop library implements for asyncfence: :class:`LoopDriver`.
+
+A driver gives the wait (:mod:`asyncfence._fence`) a way to suspend the
+calling task, and the loop's poller (:mod:`asyncfence._poller`) what it needs
+of the loop: call soon, from the loop thread or any other, a self-rescheduling
+chain, and a file descriptor to watch. It knows nothing of devices or fences.
+Each loop library has one driver class, in a module of its own; one driver
+per loop, made on first use, lives as long as the loop (or the trio run).
+
+Every callback a driver runs for the poller goes through :func:`guarded`:
+nothing the poller does can raise into the loop (an asyncio exception handler,
+trio's ``TrioInternalError``), and a chain step that fails is retried rather
+than lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+from .._config import current_config
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["Chain", "LoopDriver", "Waiter", "guarded", "read_guarded", "retry_delay"]
+
+_logger = logging.getLogger("asyncfence.loops")
+
+
+class Waiter(Protocol):
+    """One suspended wait, as its event loop resumes it."""
+
+    def wake(self, error: BaseException | None) -> None:
+        """Resume the wait, raising ``error`` in it if given. Never raises."""
+        ...
+
+
+class Chain(Protocol):
+    """A callback that reschedules itself on the loop: the poller's ticks and re-checks.
+
+    The driver calls ``step()``; it returns the seconds until the next call (0:
+    as soon as the loop has run what is ready), or ``None`` to stop.
+    """
+
+    @property
+    def running(self) -> bool:
+        """Whether a call of ``step`` is scheduled."""
+        ...
+
+    def ensure(self, delay: float) -> None:
+        """Have ``step`` called within ``delay`` seconds (sooner if already due)."""
+        ...
+
+
+class LoopDriver(Protocol):
+    """What asyncfence needs of one event loop.
+
+    Thread-safety: :meth:`call_soon_threadsafe` and :meth:`is_closed` may be
+    called from any thread; the rest belongs to the loop's thread.
+    """
+
+    #: The loop's poller, kept here for the loop's life; ``None`` until made.
+    poller: object
+
+    # -- for the wait ------------------------------------------------------------
+
+    def new_waiter(self) -> Waiter:
+        """A waiter for the calling task."""
+        ...
+
+    async def checkpoint(self) -> None:
+        """Yield to the loop, honouring cancellation."""
+        ...
+
+    async def suspend(self, waiter: Waiter, seconds: float, abort: Callable[[], None]) -> bool:
+        """Sleep until ``waiter`` is woken (True) or ``seconds`` pass (False).
+
+        ``abort()`` unregisters the waiter, for a loop that must be told at
+        once that a cancelled task will not be woken (trio's abort function).
+        The caller unregisters it too, however the wait ends unwoken.
+        """
+        ...
+
+    # -- for the poller ----------------------------------------------------------
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop soon (loop thread); on a loop that is gone, now."""
+        ...
+
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop soon, from any thread.
+
+        Raises:
+            RuntimeError: The loop is closed, or its run finished.
+        """
+        ...
+
+    def chain(self, step: Callable[[], float | None]) -> Chain:
+        """A chain that calls ``step`` on the loop (see :class:`Chain`)."""
+        ...
+
+    def watch_readable(self, fd: int, on_readable: Callable[[], bool]) -> bool:
+        """Call ``on_readable`` on the loop whenever ``fd`` is readable, for the loop's life.
+
+        When it returns True it left ``fd`` readable on purpose, to be called
+        again once the tasks it woke have run: the driver makes sure that the
+        repeat call comes after them.
+
+        Returns:
+            False if this loop cannot watch file descriptors.
+        """
+        ...
+
+    def is_closed(self) -> bool:
+        """Whether the loop is known to be gone (closed)."""
+        ...
+
+
+def guarded(callback: Callable[[], None], what: str) -> Callable[[], None]:
+    """``callback``, made safe to run as a loop callback: it never raises an Exception."""
+
+    def run() -> None:
+        try:
+            callback()
+        except Exception:
+            _logger.exception("asyncfence: %s raised; the loop goes on", what)
+
+    return run
+
+
+def read_guarded(on_readable: Callable[[], bool]) -> bool:
+    """``on_readable()``, made safe to run on the loop: False if it raised an Exception."""
+    try:
+        return on_readable()
+    except Exception:
+        _logger.exception("asyncfence: the native mailbox's reader raised; the loop goes on")
+        return False
+
+
+def retry_delay() -> float:
+    """How long a chain whose step raised waits before it tries again."""
+    return current_config().poll_cap
