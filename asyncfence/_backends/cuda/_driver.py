@@ -54,7 +54,8 @@ _HOST_FUNC_V2_VERSION = 13020
 _HOST_FUNC_V1_VERSION = 10000
 
 #: Which entry point launches completion signals: ``"v2"`` (cuLaunchHostFunc_v2),
-#: ``"v1"`` (the raw cuLaunchHostFunc), or ``"none"`` (neither: parked waits poll).
+#: ``"v1"`` (the raw cuLaunchHostFunc), or ``"none"`` (neither: parked waits
+#: are re-checked).
 HostFunctionPath = Literal["v2", "v1", "none"]
 
 #: The stream objects the backend accepts, for error messages.
