@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from . import _fork
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
 
@@ -64,16 +66,17 @@ MarkerT = TypeVar("MarkerT")
 class QueueInfo:
     """What the waiting logic needs to know about the stream a fence is on.
 
+    A marker stands for everything queued before it on its stream, so the
+    device passes a stream's markers in the order they were recorded: a
+    poller need only check the oldest pending fence of each stream.
+
     Attributes:
         key: Identifies the stream or queue (not the Python wrapper object).
-        in_order: Whether work on it completes in submission order, so that a
-            poller need only check the oldest pending fence.
         domain: Fences may be waited on by streams of the same domain only;
             ``None`` means any stream of the backend.
     """
 
     key: Hashable
-    in_order: bool
     domain: Hashable | None = None
 
 
@@ -198,7 +201,12 @@ class Backend(Protocol[MarkerT]):
         ...
 
     def record(self, stream: object) -> tuple[MarkerT, QueueInfo]:
-        """Mark the current end of the work queued on ``stream``."""
+        """Mark the current end of the work queued on ``stream``.
+
+        The marker completes once everything queued on ``stream`` before it
+        has, earlier markers included: a stream's markers complete in the
+        order they were recorded.
+        """
         ...
 
     def query(self, marker: MarkerT) -> bool:
@@ -261,6 +269,15 @@ class Backend(Protocol[MarkerT]):
         """Its devices and test gates."""
         ...
 
+    def runtime_initialised(self) -> bool:
+        """Whether this process has initialised the runtime, through asyncfence or not.
+
+        Asked in the parent just before each ``fork()``: a forked child then
+        refuses the runtime, which does not survive the fork, instead of
+        hanging in it. Quick, lock-free, and calls nothing of the runtime.
+        """
+        ...
+
 
 _backends: list[Backend[Any]] = []
 _by_type: dict[type, Backend[Any]] = {}
@@ -276,12 +293,14 @@ def register_backend(backend: Backend[Any]) -> None:
         raise ValueError(f"a backend named {backend.name!r} is registered already")
     _backends.append(backend)
     _by_type.clear()
+    _fork.watch_runtime(backend.name, backend.runtime_initialised)
 
 
 def unregister_backend(name: str) -> None:
     """Remove the backend ``name`` (tests register and remove their own)."""
     _backends[:] = [backend for backend in _backends if backend.name != name]
     _by_type.clear()
+    _fork.unwatch_runtime(name)
 
 
 def backend_names() -> tuple[str, ...]:

@@ -230,8 +230,7 @@ class DropQueue:
             with contextlib.suppress(RuntimeError):  # from a loop: that loop owns the queue
                 self._bind()
         with self._lock:
-            if self._closed:
-                raise RuntimeError("this DropQueue is closed")
+            self._check_open()
             item = _Item(next(self._sequence), obj, fences, free, nbytes)
             self._unfinished[item.seq] = item
             self._pending_bytes += nbytes
@@ -392,12 +391,15 @@ class DropQueue:
         Raises:
             TypeError: ``nbytes`` is not an int.
             ValueError: ``nbytes`` is negative.
-            RuntimeError: The queue belongs to another event loop.
+            RuntimeError: The queue is closed (or closes while this waits), or
+                belongs to another event loop.
         """
         check_int("nbytes", nbytes, minimum=0)
         self._bind()
 
         def fits() -> bool:
+            if self._closed:
+                return True  # to raise at once
             pending = len(self._unfinished)
             if self._max_items is not None and pending >= self._max_items:
                 return False
@@ -406,6 +408,7 @@ class DropQueue:
             return pending == 0
 
         await self._changes.wait_until(fits)
+        self._check_open()
 
     async def drain(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 (the API)
         """Wait until everything deferred before this call has been released.
@@ -448,7 +451,11 @@ class DropQueue:
     async def aclose(self, *, cancel_pending: bool = False) -> None:
         """Close the queue: drain it, or hand what is pending to ``on_fault``.
 
-        Nothing is ever dropped silently. After closing, :meth:`defer` raises.
+        Nothing is ever dropped silently. From the start of the call the queue
+        is closed: :meth:`defer`, :meth:`wait_for_room` (waits under way
+        included) and ``async with`` raise ``RuntimeError``, as adding work
+        to a closed trio channel does. :meth:`drain`, :meth:`statistics` and
+        closing again still work: closing twice is fine.
 
         Args:
             cancel_pending: Instead of waiting, hand each pending object to
@@ -463,10 +470,12 @@ class DropQueue:
                 ``SystemExit`` are raised).
         """
         poller = self._bind()
+        with self._lock:
+            self._closed = True
+        self._changes.notify()  # waits for room fail now
         if cancel_pending:
             await anyio.lowlevel.checkpoint()
             with self._lock:
-                self._closed = True
                 self._inbox.clear()
                 pending = list(self._unfinished.values())
             for item in pending:
@@ -478,15 +487,22 @@ class DropQueue:
                 )
                 self._finish(item)
         else:
-            try:
-                await self.drain()
-            finally:  # closed, whatever drain raised
-                with self._lock:
-                    self._closed = True
+            await self.drain()
         self._raise_free_errors()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this DropQueue is closed")
+
     async def __aenter__(self) -> Self:
+        """Bind the queue to this loop; ``aclose()`` on the way out.
+
+        Raises:
+            RuntimeError: The queue is closed, or belongs to another loop.
+        """
         self._bind()
+        await anyio.lowlevel.checkpoint()
+        self._check_open()
         return self
 
     async def __aexit__(

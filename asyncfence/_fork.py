@@ -5,7 +5,10 @@ parent and their locks may be held there. So a forked child:
 
 * refuses, with a :class:`~asyncfence.FenceError` that says what to do
   instead, a fence recorded before the fork (:func:`generation`) and a
-  backend used before it (:func:`check_unused_by_parent`);
+  runtime used before it (:func:`check_unused_by_parent`): used through
+  asyncfence (:func:`note_used`), or initialised by anyone, as each backend's
+  probe finds at the fork (:func:`watch_runtime`: a pyopencl context made in
+  a gunicorn master under ``--preload``, say);
 * gets fresh locks wherever asyncfence keeps one (:func:`renew_after_fork`):
   a lock that another thread held at the fork would never be released there;
 * starts without the parent's handles on a runtime (:func:`clear_after_fork`),
@@ -20,12 +23,16 @@ Thread-safety: every function may be called from any thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from ._exceptions import FenceError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = [
     "ADVICE",
@@ -34,17 +41,25 @@ __all__ = [
     "generation",
     "note_used",
     "renew_after_fork",
+    "unwatch_runtime",
+    "watch_runtime",
 ]
 
 #: What to do instead, for every error about a fork.
 ADVICE: Final = (
-    "device runtimes do not survive fork(); start processes that use the device "
-    "with the 'spawn' or 'forkserver' start method"
+    "device runtimes do not survive fork(); open devices only after the fork (under "
+    "gunicorn, drop --preload, or open them in the app's lifespan or startup), or "
+    "start processes that use the device with the 'spawn' or 'forkserver' start method"
 )
+
+_logger = logging.getLogger("asyncfence.fork")
 
 _generation = 0
 _used: set[str] = set()
 _used_by_parent: frozenset[str] = frozenset()
+# Per backend, whether this process has initialised its runtime, asked at each fork.
+_probes: dict[str, Callable[[], bool]] = {}
+_initialised_at_fork: frozenset[str] = frozenset()
 # Owners (modules and objects) and the names of their lock attributes, and
 # of the attributes a child starts without.
 _locks: weakref.WeakKeyDictionary[object, tuple[str, ...]] = weakref.WeakKeyDictionary()
@@ -61,6 +76,20 @@ def note_used(backend: str) -> None:
     _used.add(backend)
 
 
+def watch_runtime(backend: str, initialised: Callable[[], bool]) -> None:
+    """Ask ``initialised()`` at each fork whether this process initialised ``backend``'s runtime.
+
+    It runs in the parent, just before the fork: it must be quick, take no
+    lock another thread may hold, and call nothing of the runtime.
+    """
+    _probes[backend] = initialised
+
+
+def unwatch_runtime(backend: str) -> None:
+    """Stop asking about ``backend`` at forks (it was unregistered)."""
+    _probes.pop(backend, None)
+
+
 def check_unused_by_parent(backend: str, title: str) -> None:
     """Refuse a runtime that the process this one was forked from had used.
 
@@ -69,10 +98,13 @@ def check_unused_by_parent(backend: str, title: str) -> None:
         title: The runtime's name, for the message.
 
     Raises:
-        FenceError: The parent used it before the fork.
+        FenceError: The parent used or initialised it before the fork.
     """
     if backend in _used_by_parent:
-        raise FenceError(f"{title} was in use before fork(): {ADVICE}")
+        raise FenceError(
+            f"{title} was initialised before fork(), in the parent process, and this "
+            f"process is its forked child: {ADVICE}"
+        )
 
 
 def renew_after_fork(owner: object, *attributes: str) -> None:
@@ -100,10 +132,22 @@ def _fresh(lock: object) -> object:
     return threading.RLock() if isinstance(lock, type(threading.RLock())) else threading.Lock()
 
 
+def _before_fork() -> None:
+    global _initialised_at_fork
+    initialised = set()
+    for backend, probe in list(_probes.items()):
+        try:
+            if probe():
+                initialised.add(backend)
+        except Exception:  # a probe must never break a fork
+            _logger.exception("asyncfence: probing %s before fork() raised", backend)
+    _initialised_at_fork = frozenset(initialised)
+
+
 def _after_fork_in_child() -> None:
     global _generation, _used_by_parent
     _generation += 1
-    _used_by_parent = frozenset(_used)
+    _used_by_parent = frozenset(_used) | _initialised_at_fork
     for owner, attributes in list(_cleared.items()):
         for attribute in attributes:
             setattr(owner, attribute, None)
@@ -113,4 +157,4 @@ def _after_fork_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)

@@ -34,6 +34,7 @@ __all__ = [
     "NativeMailbox",
     "Shim",
     "shim",
+    "unavailable_for_good",
     "unavailable_reason",
 ]
 
@@ -124,10 +125,15 @@ def _gil_holding(library: ctypes.CDLL, name: str) -> Callable[..., int]:
     return ctypes.PYFUNCTYPE(ctypes.c_size_t)((name, library))
 
 
-def _load() -> tuple[Shim | None, str | None]:
+def _load() -> tuple[Shim | None, str | None, bool]:
+    """The shim or why not, and whether that answer holds for the process.
+
+    A library that is there but could not be loaded (no file descriptor to
+    open it with, say) may load at the next try.
+    """
     setting = os.environ.get(DISABLE_VARIABLE, "").strip()
     if setting == "0":
-        return None, f"disabled by {DISABLE_VARIABLE}=0"
+        return None, f"disabled by {DISABLE_VARIABLE}=0", True
     if setting not in ("", "1", "auto"):
         _logger.warning("%s=%r is not 0, 1 or auto; treating it as auto", DISABLE_VARIABLE, setting)
     path = Path(__file__).with_name(LIBRARY_NAME)
@@ -138,28 +144,33 @@ def _load() -> tuple[Shim | None, str | None]:
             _typed(library)
             take = _gil_holding(library, "af_mailbox_take")
             take_undrained = _gil_holding(library, "af_mailbox_take_undrained")
-        except (OSError, AttributeError) as error:
-            return None, f"the shim at {path} could not be loaded: {error}"
+        except OSError as error:  # dlopen failed: out of descriptors or memory, say
+            return None, f"the shim at {path} could not be loaded: {error}", False
+        except AttributeError as error:  # a library of another version
+            return None, f"the shim at {path} could not be loaded: {error}", True
         fire, opencl_callback = (
             ctypes.cast(f, ctypes.c_void_p).value or 0
             for f in (library.af_fire, library.af_opencl_callback)
         )
-        return Shim(library, str(path), fire, opencl_callback, take, take_undrained), None
-    return None, "the shim was not built (no C compiler at install)"
+        return Shim(library, str(path), fire, opencl_callback, take, take_undrained), None, True
+    return None, "the shim was not built (no C compiler at install)", True
 
 
 def shim() -> Shim | None:
-    """The native shim, loaded on first use; ``None`` where it is unavailable."""
+    """The native shim, loaded on first use; ``None`` where it is unavailable.
+
+    A failure to load a shim that is there is not remembered: the next call
+    tries again (a later loop may have the descriptors an earlier one lacked).
+    """
     global _loaded, _reason, _tried
     if not _tried:
         with _lock:
             if not _tried:
-                _loaded, _reason = _load()
+                _loaded, _reason, _tried = _load()
                 if _loaded is not None:
                     _logger.debug("native wake path: the shim at %s", _loaded.path)
                 else:
                     _logger.debug("no native wake path: %s", _reason)
-                _tried = True
     return _loaded
 
 
@@ -167,6 +178,11 @@ def unavailable_reason() -> str | None:
     """Why :func:`shim` returns ``None``; ``None`` where the shim is in use."""
     shim()
     return _reason
+
+
+def unavailable_for_good() -> bool:
+    """Whether :func:`shim` will stay ``None`` in this process (not built, or disabled)."""
+    return shim() is None and _tried
 
 
 class NativeMailbox:

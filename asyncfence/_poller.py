@@ -31,7 +31,13 @@ from ._config import current_config
 from ._core import PENDING
 from ._fenceset import FenceSet
 from ._loops import current_driver, existing_driver
-from ._native import HOW_TO_BUILD, NativeMailbox, shim, unavailable_reason
+from ._native import (
+    HOW_TO_BUILD,
+    NativeMailbox,
+    shim,
+    unavailable_for_good,
+    unavailable_reason,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Iterable
@@ -289,16 +295,26 @@ class Poller:
 def _new_mailbox() -> NativeMailbox | None:
     """A mailbox for a loop about to park its first fence; ``None`` where it can have none.
 
-    Why a loop has none is said once per process, as a warning.
+    Why is said as a warning: once per process where the shim is not built
+    (or disabled), and once per loop where it is but this loop cannot have a
+    mailbox (no file descriptor left, say): a later loop may.
     """
     native = shim()
     if native is None:
-        _warn_once(f"the native wake shim is not in use: {unavailable_reason()}; {HOW_TO_BUILD}")
+        reason = unavailable_reason()
+        if unavailable_for_good():
+            _warn_once(f"the native wake shim is not in use: {reason}; {HOW_TO_BUILD}")
+        else:  # a later loop may load it
+            _logger.warning("asyncfence: no native wake path on this loop: %s", reason)
         return None
     try:
         return NativeMailbox(native)
     except OSError as error:
-        _warn_once(f"no native wake path on this loop ({error}); re-checking parked waits")
+        _logger.warning(
+            "asyncfence: no native wake path on this loop (%s); its parked waits are "
+            "re-checked on the loop",
+            error,
+        )
         return None
 
 
@@ -313,9 +329,9 @@ def _warn_once(message: str) -> None:
 class _Parking:
     """A loop's parked fences. Loop thread only.
 
-    With a mailbox, the oldest parked fence of each in-order queue (every
-    fence of an out-of-order one) has a completion signal armed, which makes
-    the mailbox readable once the device passes it. Fences without one
+    With a mailbox, the oldest parked fence of each stream has a completion
+    signal armed, which makes the mailbox readable once the device passes it
+    (the others complete behind it, and the sweep it triggers finds them). Fences without one
     (no mailbox, or the runtime could not arm it) are *unsignalled*: they are
     re-checked on the loop after sleeps that double up to ``poll_cap``.
     """
@@ -343,7 +359,10 @@ class _Parking:
         if mailbox is not None and not self._driver.watch_readable(
             mailbox.fileno(), self._on_readable
         ):
-            _warn_once("this event loop cannot watch file descriptors; re-checking parked waits")
+            _logger.warning(
+                "asyncfence: this event loop cannot watch file descriptors; its parked "
+                "waits are re-checked on the loop"
+            )
             mailbox = None
         self._mailbox = mailbox
         self.wake_path: WakePath = "polling" if mailbox is None else "native"
@@ -519,12 +538,13 @@ class _Parking:
         return len(tokens)
 
     def _finish_wake(self) -> None:
-        """The rest of a wake: sweep the queues that progressed, tidy up, arm what is next.
+        """The rest of a wake: sweep the streams that progressed, tidy up, arm what is next.
 
-        A fired fence's queue progressed at least that far, so it is swept
+        A fired fence's stream progressed at least that far, so it is swept
         even if that fence's own waits have left (others behind it may be
         done, or it settled elsewhere with its waiters not woken yet); a
-        fence whose signal came early is armed again.
+        fence whose signal came early is armed again. It costs what fired,
+        not what is parked: one sweep per stream that progressed.
         """
         fired, self._fired = self._fired, {}
         parked = self._parked

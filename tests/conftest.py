@@ -114,6 +114,8 @@ def without_shim(monkeypatch: pytest.MonkeyPatch) -> None:
     from asyncfence import _poller
 
     monkeypatch.setattr(_poller, "shim", lambda: None)
+    monkeypatch.setattr(_poller, "unavailable_reason", lambda: "disabled by the test")
+    monkeypatch.setattr(_poller, "unavailable_for_good", lambda: True)
 
 
 @pytest.fixture(params=["auto", "poll", "park"])

@@ -166,7 +166,7 @@ class FakeBackend(Backend[_Op]):
     def record(self, stream: object) -> tuple[_Op, QueueInfo]:
         assert isinstance(stream, FakeStream)
         marker = _enqueue(stream, _Op("marker"))
-        return marker, QueueInfo(id(stream), in_order=True, domain=id(stream.device))
+        return marker, QueueInfo(id(stream), domain=id(stream.device))
 
     def query(self, marker: _Op) -> bool:
         if marker.failed:
@@ -199,6 +199,9 @@ class FakeBackend(Backend[_Op]):
 
     def release(self, marker: _Op) -> None:
         """Markers are plain objects: nothing to give back."""
+
+    def runtime_initialised(self) -> bool:
+        return False  # host memory survives fork()
 
     def lab(self) -> FakeLab:
         return self._lab

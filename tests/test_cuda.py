@@ -38,7 +38,7 @@ from asyncfence._backend import backend_for
 from asyncfence._backends.cuda import CudaBackend
 from asyncfence._backends.cuda._driver import current_context
 from asyncfence._native import shim
-from asyncfence.testing import hold
+from asyncfence.testing import StreamGate, hold
 
 from .conftest import HANG_GUARD_S, let_loop_run, pause_at, until
 
@@ -868,6 +868,52 @@ def test_per_thread_default_streams_are_one_queue_per_thread(
     theirs["fence"].wait_sync(timeout=30)
 
 
+async def test_a_new_threads_default_stream_is_not_held_behind_an_exited_threads(
+    cuda_device: CudaDevice, emulator: Emulator
+) -> None:
+    # Thread idents are reused once a thread exits: a new thread's per-thread
+    # default stream must not share the queue of an exited thread's, whose
+    # work may still be pending (an in-order sweep would stop at it).
+    made: dict[str, Any] = {}
+
+    def in_thread(name: str) -> None:
+        if name == "new" and threading.get_ident() != made["exited ident"]:
+            return  # not the ident this test is about: the next thread may get it
+        cuda_device.make_current()
+        made[f"{name} gate"] = StreamGate(2)  # this thread's per-thread default stream
+        made[f"{name} fence"] = asyncfence.record(2)
+        made[f"{name} ident"] = threading.get_ident()
+
+    for name in ("exited", *["new"] * 50):
+        thread = threading.Thread(target=in_thread, args=(name,))
+        thread.start()
+        thread.join(HANG_GUARD_S)
+        if "new fence" in made:
+            break
+    if "new fence" not in made:
+        pytest.skip("no new thread got the exited thread's ident in 50 tries")
+    exited, new = made["exited fence"], made["new fence"]
+    resumed = anyio.Event()
+
+    async def wait_for_new() -> None:
+        await new.wait()
+        resumed.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(exited.wait)
+            tg.start_soon(wait_for_new)
+            await until(lambda: asyncfence.current_statistics().waiters == 2)
+            made["new gate"].release()
+            with anyio.fail_after(10):  # the exited thread's work is held throughout
+                await resumed.wait()
+            assert not exited.done()
+            made["exited gate"].release()
+    finally:
+        made["exited gate"].release()
+        made["new gate"].release()
+
+
 @pytest.mark.parametrize("per_thread", ["1", None], ids=["per-thread", "legacy"])
 def test_handle_0_in_per_thread_mode(cuda_mode: str, strategy: str, per_thread: str | None) -> None:
     """With CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1, handle 0 is per thread, as 2 is."""
@@ -888,7 +934,7 @@ def test_handle_0_in_per_thread_mode(cuda_mode: str, strategy: str, per_thread: 
         import asyncio, json, threading
         import asyncfence
         from asyncfence.testing import CudaDevice
-        from asyncfence.testing import hold
+        from asyncfence.testing import StreamGate, hold
 
         asyncfence.configure(strategy={strategy!r})
         device = CudaDevice(0)
@@ -1025,9 +1071,19 @@ class BadProtocol:
         ((0, 1, 2), TypeError, r"must give a \(version, handle\) tuple"),
         (("0", 7), TypeError, "protocol version must be an int"),
         ((1, 7), ValueError, "unsupported __cuda_stream__ protocol version 1"),
-        ((0, "abc"), TypeError, "handle must be an int, got str"),
-        ((0, 3.9), TypeError, "handle must be an int, got float"),
-        ((0, -1), ValueError, r"must be in \[0, 2\*\*64\)"),
+        ((0, "abc"), TypeError, r"handle must be an int, got str 'abc' from BadProtocol.__cuda_"),
+        (
+            (0, 3.9),
+            TypeError,
+            r"handle must be an int, got float 3.9 from BadProtocol.__cuda_stream",
+        ),
+        ((0, True), TypeError, r"handle must be an int, got bool True from BadProtocol.__cuda_"),
+        ((0, False), TypeError, r"handle must be an int, got bool False from BadProtocol.__cuda"),
+        (
+            (0, -1),
+            ValueError,
+            r"must be in \[0, 2\*\*64\), got -1 from BadProtocol.__cuda_stream__",
+        ),
     ],
 )
 def test_a_malformed_cuda_stream_protocol_is_a_clear_error(

@@ -224,6 +224,45 @@ async def test_a_close_that_raises_still_closes(queue: cl.CommandQueue) -> None:
         other.defer([], Buffer("late"))
 
 
+async def test_a_closed_queue_refuses_new_work_and_closes_twice_fine(
+    queue: cl.CommandQueue,
+) -> None:
+    # As trio's closed channels: adding work, or waiting for room to add it,
+    # is an error from the start of aclose(); draining and closing again are not.
+    dq = DropQueue(max_items=1)
+    buffer = Buffer("pending")
+    with hold(queue) as gate:
+        dq.defer(asyncfence.record(queue), buffer, free=Buffer.free)  # the budget is full
+        refused: list[BaseException] = []
+
+        async def wait_for_room() -> None:
+            try:
+                await dq.wait_for_room()
+            except RuntimeError as error:
+                refused.append(error)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_for_room)
+            await let_loop_run()
+            assert not refused  # waiting: no room yet
+            tg.start_soon(dq.aclose)  # drains, so it waits for the held queue
+            await until(lambda: bool(refused))  # the wait for room failed at once
+            assert "closed" in str(refused[0])
+            with pytest.raises(RuntimeError, match="closed"):
+                dq.defer([], Buffer("late"))
+            assert buffer.freed == 0
+            gate.release()
+    assert buffer.freed == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        await dq.wait_for_room()
+    with pytest.raises(RuntimeError, match="closed"):
+        async with dq:
+            pass
+    await dq.drain()  # nothing pending: returns
+    await dq.aclose()  # closing twice is fine
+    assert dq.statistics().pending_items == 0
+
+
 async def test_a_fault_goes_to_on_fault_not_free(queue: cl.CommandQueue) -> None:
     faults: list[tuple[Buffer, BaseException]] = []
     dq = DropQueue(on_fault=lambda obj, error: faults.append((obj, error)))

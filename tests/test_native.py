@@ -173,3 +173,67 @@ print("ok")
 
 
 # -- CUDA: the raw host-function entry points ------------------------------------------------
+
+
+# -- out of descriptors ------------------------------------------------------------------
+
+_OUT_OF_DESCRIPTORS = """
+import asyncio, logging, os, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+import asyncfence
+from asyncfence import _native
+from asyncfence.testing import hold, open_default_device
+
+device = open_default_device("opencl")
+streams = [device.new_stream() for _ in range(2)]
+if sys.argv[1] == "loaded":
+    assert _native.shim() is not None  # the library is in: only the eventfd fails
+
+
+async def park_once(stream):
+    with hold(stream) as gate:
+        fence = asyncfence.record(stream)
+        task = asyncio.ensure_future(fence.wait(strategy="park"))
+        while asyncfence.current_statistics().parked < 1:
+            await asyncio.sleep(0.001)
+        path = asyncfence.current_statistics().wake_path
+        gate.release()
+        await asyncio.wait_for(task, 30)
+    return path
+
+
+loop = asyncio.new_event_loop()
+spent = []
+while True:  # every descriptor left, taken
+    try:
+        spent.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        break
+print("first loop:", loop.run_until_complete(park_once(streams[0])))
+loop.close()
+for fd in spent:
+    os.close(fd)
+print("later loop:", asyncio.run(park_once(streams[1])))
+"""
+
+
+@pytest.mark.parametrize("shim_state", ["loaded", "not yet loaded"])
+def test_a_loop_out_of_descriptors_says_why_and_a_later_loop_parks_natively(
+    native: Shim, shim_state: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_DESCRIPTORS, shim_state.split()[0]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "first loop: polling" in lines
+    assert "later loop: native" in lines  # the shortage was not remembered
+    warnings = [line for line in lines if "no native wake path on this loop" in line]
+    assert len(warnings) == 1, lines
+    assert "Too many open files" in warnings[0]
+    if shim_state == "loaded":  # the eventfd's own errno, not [Errno 0]
+        assert "[Errno 24]" in warnings[0]

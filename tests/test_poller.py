@@ -28,16 +28,16 @@ from asyncfence import DeviceError, _poller
 from asyncfence._core import FenceCore
 from asyncfence._native import NativeMailbox
 from asyncfence._poller import current_poller
-from asyncfence.testing import hold
+from asyncfence.testing import StreamGate, hold
 
 from .conftest import let_loop_run, poller_ticks, until
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterator
+    from collections.abc import AsyncIterator, Callable, Iterator
 
     import pyopencl as cl
 
-    from asyncfence.testing import CudaDevice, OpenCLDevice, StreamGate
+    from asyncfence.testing import CudaDevice, Device, OpenCLDevice
 
     from .cuda_emulator import Emulator
 
@@ -234,8 +234,26 @@ async def test_poller_checks_one_fence_per_in_order_queue_per_tick(
     assert all(fence.done() for fence in fences)
 
 
+def test_fences_on_an_out_of_order_queue_complete_in_record_order(
+    unordered_queue: cl.CommandQueue,
+) -> None:
+    # What lets the poller check one fence per out-of-order queue: a marker
+    # waits for every command enqueued before it, earlier markers included.
+    first_gate = StreamGate(unordered_queue)
+    first = asyncfence.record(unordered_queue)
+    second_gate = StreamGate(unordered_queue)
+    second = asyncfence.record(unordered_queue)
+    second_gate.release()
+    with pytest.raises(TimeoutError):
+        second.wait_sync(timeout=0.05)  # a bounded look, not a timing assertion
+    assert not first.done()
+    first_gate.release()
+    second.wait_sync(timeout=30)
+    assert first.done()
+
+
 @pytest.mark.usefixtures("poll_by_default")
-async def test_poller_checks_every_fence_on_an_out_of_order_queue(
+async def test_poller_checks_one_fence_per_out_of_order_queue_too(
     unordered_queue: cl.CommandQueue,
 ) -> None:
     with hold(unordered_queue) as gate:
@@ -247,9 +265,48 @@ async def test_poller_checks_every_fence_on_an_out_of_order_queue(
             before = asyncfence.current_statistics()
             await poller_ticks(5)
             after = asyncfence.current_statistics()
-            assert after.queries - before.queries == 5 * (after.ticks - before.ticks)
+            assert after.queries - before.queries == after.ticks - before.ticks
             gate.release()
     assert all(fence.done() for fence in fences)
+
+
+@pytest.mark.usefixtures("only_signals_wake")
+async def test_parked_fences_on_an_out_of_order_queue_wake_one_by_one_in_linear_work(
+    unordered_queue: cl.CommandQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each completes on its own, and each wake costs what fired: the fences
+    # queried over the whole run grow with the fences, not with their square
+    # (a wake that swept the whole queue would make about 20,000 queries).
+    count = 200
+    gates, fences = [], []
+    for _ in range(count):
+        gates.append(StreamGate(unordered_queue))  # holds the fence recorded next
+        fences.append(asyncfence.record(unordered_queue))
+    polls = 0
+    real_poll = FenceCore.poll
+
+    def counted_poll(self: FenceCore, *, keep_marker: bool = False) -> int:
+        nonlocal polls
+        polls += 1
+        return real_poll(self, keep_marker=keep_marker)
+
+    woken: list[object] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            for fence in fences:
+                tg.start_soon(parked_wait_noted, fence, fence, woken)
+            await until(lambda: asyncfence.current_statistics().parked == count)
+            monkeypatch.setattr(FenceCore, "poll", counted_poll)
+            with anyio.fail_after(30):  # the re-check is 30 s away, poll_cap 1 s
+                for index, gate in enumerate(gates):
+                    gate.release()
+                    await until(lambda index=index: len(woken) > index)
+                    assert woken[index] is fences[index]
+    finally:
+        for gate in gates:
+            gate.release()
+    assert asyncfence.current_statistics().parked == 0
+    assert polls <= 10 * count
 
 
 @pytest.mark.usefixtures("poll_by_default")
@@ -338,6 +395,24 @@ def stream(request: pytest.FixtureRequest, device: OpenCLDevice) -> Iterator[Any
     cuda_stream = cuda_device.new_stream()
     yield cuda_stream
     driver.cuStreamDestroy(cuda_stream)
+
+
+@pytest.fixture
+def new_same_kind_stream(
+    request: pytest.FixtureRequest, stream: Any, device: OpenCLDevice
+) -> Iterator[Callable[[], Any]]:
+    """Makes more streams of ``stream``'s backend; released afterwards."""
+    backend = request.node.callspec.params["stream"]
+    maker: Device = device if backend == "opencl" else request.getfixturevalue("cuda_device")
+    made: list[Any] = []
+
+    def make() -> Any:
+        made.append(maker.new_stream())
+        return made[-1]
+
+    yield make
+    for each in made:
+        maker.close_stream(each)
 
 
 @pytest.mark.usefixtures("no_thread_from_asyncfence")
@@ -600,7 +675,7 @@ async def test_a_parked_wait_needs_no_thread(stream: Any, wake_path: str) -> Non
         assert asyncfence.current_statistics().rechecks == 0
 
 
-async def parked_wait_noted(fence: asyncfence.Fence, name: str, notes: list[str]) -> None:
+async def parked_wait_noted(fence: asyncfence.Fence, name: object, notes: list[Any]) -> None:
     """Wait for ``fence`` with the "park" strategy, then note ``name``."""
     await fence.wait(strategy="park")
     notes.append(name)
@@ -899,6 +974,7 @@ def test_a_missing_shim_is_said_once_as_a_warning(
 ) -> None:
     monkeypatch.setattr(_poller, "shim", lambda: None)
     monkeypatch.setattr(_poller, "unavailable_reason", lambda: "the shim was not built")
+    monkeypatch.setattr(_poller, "unavailable_for_good", lambda: True)
     monkeypatch.setattr(_poller, "_shim_warned", False)
     with caplog.at_level(logging.WARNING, "asyncfence.poller"):
         assert _poller._new_mailbox() is None  # a first loop parks
@@ -907,3 +983,75 @@ def test_a_missing_shim_is_said_once_as_a_warning(
     assert len(warnings) == 1
     assert "the native wake shim is not in use: the shim was not built" in warnings[0]
     assert "install a C compiler" in warnings[0]
+
+
+# -- a wake decided by what fired -------------------------------------------------------
+
+
+@pytest.mark.usefixtures("only_signals_wake")
+async def test_an_orphaned_signal_and_a_settle_elsewhere_lose_no_wake(
+    stream: Any,
+    new_same_kind_stream: Any,
+    wake_path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The sequence that once left a waiter suspended for good:
+    # 1. a parked fence's wait is abandoned and the fence collected while its
+    #    signal is still armed (the slot is orphaned);
+    # 2. with one other fence's signal armed, the orphan fires: the wake
+    #    guesses that fence fired, finds it pending, and leaves the rest;
+    # 3. before the rest runs, that fence settles by a poll that is no sweep,
+    #    and another task parks a fence;
+    # 4. the woken-and-parked bookkeeping must not drop the settled fence
+    #    whose waiter was never woken.
+    if wake_path != "native":
+        pytest.skip("without the shim no signal is armed")
+    orphan_stream, other_stream = new_same_kind_stream(), new_same_kind_stream()
+    orphan_gate, fence_gate, other_gate = (
+        StreamGate(orphan_stream),
+        StreamGate(stream),
+        StreamGate(other_stream),
+    )
+    try:
+        orphan = asyncfence.record(orphan_stream)
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(orphan.wait, strategy="park"))
+                await until(lambda: asyncfence.current_statistics().armed == 1)
+                scope.cancel()
+        orphan_core = weakref.ref(orphan._core)
+        del orphan
+        gc.collect()
+        assert orphan_core() is None  # its token forgotten; its slot still armed in C
+        fence, other = asyncfence.record(stream), asyncfence.record(other_stream)
+        parking = current_poller()._parking
+        assert isinstance(parking, _poller._Parking)
+        real_finish = _poller._Parking._finish_wake
+        interposed: list[str] = []
+
+        def finish_after_a_settle_and_a_park(self: _poller._Parking) -> None:
+            if not interposed:
+                interposed.append("settled and parked")
+                fence_gate.release()
+                fence.wait_sync(timeout=30)  # settled by a poll that is no sweep
+                self.park(other._core)  # another task parks meanwhile
+            real_finish(self)
+
+        monkeypatch.setattr(_poller._Parking, "_finish_wake", finish_after_a_settle_and_a_park)
+        woken = anyio.Event()
+
+        async def wait_for_fence() -> None:
+            await fence.wait(strategy="park")
+            woken.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_for_fence)
+            await until(lambda: asyncfence.current_statistics().armed == 1)  # the fence's alone
+            orphan_gate.release()  # the orphaned slot fires: the fd turns readable
+            with anyio.fail_after(10):  # the re-check is 30 s away
+                await woken.wait()
+        assert interposed == ["settled and parked"]
+        parking.unpark(other._core)
+    finally:
+        for gate in (orphan_gate, fence_gate, other_gate):
+            gate.release()

@@ -99,6 +99,54 @@ def test_fork_while_a_wait_is_parked_gives_the_child_a_clear_error(
     assert "child exit status 0" in result.stdout
 
 
+_FORKED_WORKER = """
+import asyncio, os, sys
+import pyopencl as cl
+import asyncfence
+
+if sys.argv[1] == "preloaded":  # as an app imported by a gunicorn master under --preload
+    context = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+    queue = cl.CommandQueue(context)
+pid = os.fork()
+if pid == 0:
+    try:
+        if sys.argv[1] != "preloaded":  # a worker that opens its device after the fork
+            context = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+            queue = cl.CommandQueue(context)
+        fence = asyncfence.record(queue)
+        asyncio.run(fence.wait(timeout=30))
+        print("child: awaited", flush=True)
+    except asyncfence.FenceError as error:
+        print("child:", error, flush=True)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.parametrize("opened", ["preloaded", "after the fork"])
+def test_a_runtime_initialised_before_fork_is_refused_in_the_child_saying_why(
+    opened: str,
+) -> None:
+    # Not through asyncfence: the app made its context itself, before forking.
+    if not hasattr(os, "fork"):
+        pytest.skip("needs fork()")
+    result = subprocess.run(
+        [sys.executable, "-c", _FORKED_WORKER, opened.split()[0]],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+        timeout=60,  # a hang guard: the bug was a wait that never ended
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    if opened == "preloaded":
+        assert "OpenCL was initialised before fork(), in the parent process" in result.stdout
+        assert "--preload" in result.stdout
+        assert "lifespan" in result.stdout
+    else:  # a parent that touched no platform: its child's device works
+        assert "child: awaited" in result.stdout
+
+
 @pytest.mark.parametrize("backend", ["opencl", "cuda"])
 def test_keyboard_interrupt_during_wait_sync(backend: str, cuda_mode: str) -> None:
     result = run_script(

@@ -259,29 +259,35 @@ def cuda_stream_handle(stream: object) -> int:
     """
     if isinstance(stream, bool):
         raise TypeError(f"expected {ACCEPTS}; got bool")
+    kind = type(stream).__qualname__
     if isinstance(stream, int):
         handle: object = stream
+        source = "the handle given"
     elif hasattr(type(stream), "__cuda_stream__"):
         handle = _protocol_handle(stream)
+        source = f"{kind}.__cuda_stream__"
     elif (attribute := _handle_attribute(stream)) is not None:
         handle = getattr(stream, attribute)
+        source = f"{kind}.{attribute}"
         if isinstance(handle, ctypes.c_void_p):  # older numba-cuda; None: the default stream
             handle = handle.value or 0
         elif attribute == "handle":  # numba-cuda since: a cuda.bindings CUstream
             handle = int(cast("SupportsInt", handle))
     else:
-        raise TypeError(f"expected {ACCEPTS}; got {type(stream).__qualname__} object")
-    if isinstance(handle, bool) or not isinstance(handle, int):
+        raise TypeError(f"expected {ACCEPTS}; got {kind} object")
+    if isinstance(handle, bool):  # an int to Python, never a stream: True would be stream 1
+        raise TypeError(f"a CUDA stream handle must be an int, got bool {handle} from {source}")
+    if not isinstance(handle, int):
         try:  # NumPy integers and the like; never a float, silently truncated
             handle = operator.index(handle)  # type: ignore[arg-type]
         except TypeError:
             raise TypeError(
                 f"a CUDA stream handle must be an int, got {type(handle).__qualname__} "
-                f"from {type(stream).__qualname__}"
+                f"{handle!r} from {source}"
             ) from None
     assert isinstance(handle, int)
     if not 0 <= handle < 1 << 64:
-        raise ValueError(f"a CUDA stream handle must be in [0, 2**64), got {handle}")
+        raise ValueError(f"a CUDA stream handle must be in [0, 2**64), got {handle} from {source}")
     return handle
 
 

@@ -64,6 +64,23 @@ _CAPTURE_ADVICE = (
 )
 
 
+_thread_numbers = itertools.count()
+_this_thread = threading.local()
+
+
+def _thread_number() -> int:
+    """A number for the calling thread, never given to another (unlike thread idents).
+
+    An exited thread's ident goes to the next thread started, while work its
+    per-thread default stream queued may still be pending.
+    """
+    try:
+        number: int = _this_thread.number
+    except AttributeError:
+        number = _this_thread.number = next(_thread_numbers)
+    return number
+
+
 def _queue_key(context: int, handle: int) -> tuple[int, ...]:
     """The key of the in-order queue that a record on ``handle`` in ``context`` joins.
 
@@ -75,7 +92,7 @@ def _queue_key(context: int, handle: int) -> tuple[int, ...]:
         per_thread = _driver.per_thread_default_stream()
         handle = PER_THREAD_DEFAULT_STREAM if per_thread else LEGACY_DEFAULT_STREAM
     if handle == PER_THREAD_DEFAULT_STREAM:
-        return (context, handle, threading.get_ident())
+        return (context, handle, _thread_number())
     return (context, handle)
 
 
@@ -267,7 +284,7 @@ class CudaBackend(Backend[_CudaMarker]):
             pool.append(event)
             raise device_error(drv, err, "cuEventRecord failed")
         marker = _CudaMarker(event, context, pool, next(self._orders))
-        return marker, QueueInfo(_queue_key(context, handle), in_order=True)
+        return marker, QueueInfo(_queue_key(context, handle))
 
     def query(self, marker: _CudaMarker) -> bool:
         drv = driver()
@@ -381,6 +398,15 @@ class CudaBackend(Backend[_CudaMarker]):
         if err != drv.CUresult.CUDA_SUCCESS:
             raise device_error(drv, err, f"cuLaunchHostFunc ({launcher.path}) failed")
         return True
+
+    def runtime_initialised(self) -> bool:
+        if _driver.loaded_driver() is not None:
+            return True
+        torch = sys.modules.get("torch")  # PyTorch initialised CUDA (it says so, no call)
+        try:
+            return torch is not None and bool(torch.cuda.is_initialized())
+        except AttributeError:
+            return False
 
     def lab(self) -> CudaLab:
         return CudaLab()

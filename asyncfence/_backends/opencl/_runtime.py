@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 import threading
 from collections import deque
@@ -59,7 +60,8 @@ class OpenCLBackend(Backend["cl.Event"]):
     """Fences as ``clEnqueueMarkerWithWaitList`` markers.
 
     A marker enqueued with no wait list completes once every command enqueued
-    before it on the queue has, on in-order and out-of-order queues alike.
+    before it on the queue has, on in-order and out-of-order queues alike: a
+    queue's markers complete in the order they were enqueued.
     """
 
     name = "opencl"
@@ -77,6 +79,7 @@ class OpenCLBackend(Backend["cl.Event"]):
         self._sweep_at = _GRAVEYARD_MIN_SWEEP
         self._sweep_lock = threading.Lock()
         _fork.renew_after_fork(self, "_sweep_lock")
+        self._platform_loaded = False
 
     def claims(self, stream: object) -> bool:
         cl = sys.modules.get("pyopencl")
@@ -86,10 +89,9 @@ class OpenCLBackend(Backend["cl.Event"]):
         return stream.int_ptr  # type: ignore[attr-defined,no-any-return]
 
     def _queue_info(self, queue: cl.CommandQueue) -> QueueInfo:
-        import pyopencl as cl
-
-        out_of_order = queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE
-        return QueueInfo(queue.int_ptr, in_order=not out_of_order, domain=queue.context.int_ptr)
+        # Out-of-order queues too: a marker with no wait list waits for every
+        # command enqueued before it, earlier markers included.
+        return QueueInfo(queue.int_ptr, domain=queue.context.int_ptr)
 
     def record(self, stream: object) -> tuple[cl.Event, QueueInfo]:
         import pyopencl as cl
@@ -163,6 +165,13 @@ class OpenCLBackend(Backend["cl.Event"]):
             raise DeviceError(self.name, code, _status_name(code), "clSetEventCallback failed")
         return True
 
+    def runtime_initialised(self) -> bool:
+        # A platform was made once the ICD loader has loaded a vendor library
+        # (PoCL's, say): pyopencl's import alone loads only the loader.
+        if not self._platform_loaded and "pyopencl._cl" in sys.modules:
+            self._platform_loaded = _platform_library_loaded()
+        return self._platform_loaded
+
     def lab(self) -> OpenCLLab:
         return OpenCLLab()
 
@@ -211,13 +220,60 @@ def _opencl_library() -> ctypes.CDLL:
     """The OpenCL library pyopencl loaded (its bundled ICD loader, or the system's)."""
     import pyopencl
 
-    with open("/proc/self/maps") as maps:
-        loaded = {line.split()[-1] for line in maps if "libOpenCL" in line}
+    loaded = {path for path in _mapped_libraries() if "libOpenCL" in path}
     bundled = sorted(Path(pyopencl.__file__).parent.glob(".libs/libOpenCL*.so*"))
     for path in [*sorted(loaded), *map(str, bundled), ctypes.util.find_library("OpenCL")]:
         if path:
             return ctypes.CDLL(path)
     raise OSError("no OpenCL library found")
+
+
+def _mapped_libraries() -> set[str]:
+    """The paths of the shared libraries mapped into this process."""
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-1] for line in maps if ".so" in line and "/" in line}
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = (
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    )
+
+
+def _defining_file(function: Any) -> str | None:
+    """The file that defines ``function`` (dlsym also finds a library's dependencies')."""
+    info = _DlInfo()
+    address = ctypes.cast(function, ctypes.c_void_p)
+    if not ctypes.CDLL(None).dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.path.realpath(os.fsdecode(info.dli_fname))
+
+
+def _platform_library_loaded() -> bool:
+    """Whether an OpenCL platform (ICD vendor) library is loaded; never loads one.
+
+    The ICD loader loads its vendors' libraries (PoCL's, say) when asked for
+    platforms; each defines ``clGetExtensionFunctionAddress``, as the loader
+    itself (``libOpenCL``) does.
+    """
+    try:
+        paths = _mapped_libraries()
+    except OSError:  # no /proc: nothing can be told
+        return False
+    for path in paths:
+        if "libOpenCL" in Path(path).name:
+            continue
+        try:
+            library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            function = library.clGetExtensionFunctionAddress
+        except (OSError, AttributeError):
+            continue
+        if _defining_file(function) == os.path.realpath(path):
+            return True
+    return False
 
 
 def _set_event_callback() -> Any:
