@@ -85,7 +85,8 @@ class PollerStatistics:
         queues: Streams or queues of the fences being polled.
         parked: Fences parked rather than polled.
         ticks: Checks made since the poller was created.
-        queries: Device queries its ticks made.
+        queries: Device queries made: by the ticks, and for parked fences
+            by wakes and re-checks.
         tick_seconds: Time spent in those ticks, in seconds.
         running: Whether the poller is scheduled to tick again.
         wake_path: How parked waits on this loop are woken: ``"native"`` (the
@@ -282,7 +283,7 @@ class Poller:
             queues=self._polled.queue_count,
             parked=0 if parking is None else len(parking),
             ticks=self._ticks,
-            queries=self._queries,
+            queries=self._queries + (0 if parking is None else parking.queries),
             tick_seconds=self._tick_seconds,
             running=self._ticks_chain.running,
             wake_path=None if parking is None else parking.wake_path,
@@ -356,6 +357,7 @@ class _Parking:
         self._recheck_backoff = 1  # times recheck_interval; see RECHECK_BACKOFF_LIMIT
         self.signals = 0
         self.rechecks = 0
+        self.queries = 0
         if mailbox is not None and not self._driver.watch_readable(
             mailbox.fileno(), self._on_readable
         ):
@@ -528,6 +530,7 @@ class _Parking:
             self._token_of.pop(id(fence), None)
             self.signals += 1
             fired[fence] = None
+            self.queries += fence.state == PENDING
             try:
                 if fence.poll(keep_marker=True) == PENDING:
                     continue  # early: the rest of the wake arms it again
@@ -550,7 +553,7 @@ class _Parking:
         parked = self._parked
         keys = {fence.queue.key for fence in fired}
         try:
-            parked.sweep(self._settled, keys)
+            self.queries += parked.sweep(self._settled, keys)
         finally:
             for fence in fired:
                 if not self._poller.is_awaited(fence):
@@ -574,7 +577,7 @@ class _Parking:
             progressed.add(fence.queue.key)
             self._settled(fence, unexpected)
 
-        self._parked.sweep(settled, None if keys is None else set(keys))
+        self.queries += self._parked.sweep(settled, None if keys is None else set(keys))
         if progressed:
             self._arm(self._parked.heads(progressed))
 

@@ -616,6 +616,19 @@ def check_every_scenario(
         assert set(per) == {"10", "1000"}
         assert all(figures["lag_p99_s"] >= 0 for figures in per.values())
     assert summary["scale"][POLL]["10"]["tick_mean_s"] > 0
+    if device_row:  # OpenCL: its out-of-order queues, beside in-order ones
+        one_by_one = summary["parked_one_by_one"]
+        for kind in ("in-order", "out-of-order"):
+            figures = one_by_one[kind]
+            assert figures["fences"] == BenchConfig.smoke().one_by_one_fences
+            assert figures["loop_cpu_s"] > 0
+            assert figures["wall_s"] > 0
+            assert figures["queries_per_fence"] >= 1  # each fence asked at least once
+            assert figures["signals_per_fence"] > 0  # parked: woken by their signals
+        assert one_by_one["out-of-order vs in-order"]["loop_cpu"] > 0
+        assert one_by_one["out-of-order vs in-order"]["queries"] > 0
+    else:
+        assert "parked_one_by_one" not in summary
 
 
 def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) -> None:

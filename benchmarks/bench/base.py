@@ -145,6 +145,8 @@ class BenchConfig:
         scale_window_s: How long the loop lag is probed at each size.
         streams: Streams (and tasks) for throughput's many-task case and scale.
         drop_objects: Objects deferred in the drop-queue scenario.
+        one_by_one_fences: Parked fences completing one by one, on an in-order
+            and on an out-of-order queue.
         trial_timeout_s: The bound on any single wait elsewhere.
         probe_timeout_s: The bound on each contender's probe at setup.
     """
@@ -170,6 +172,7 @@ class BenchConfig:
     scale_window_s: float = 0.5
     streams: int = 64
     drop_objects: int = 100_000
+    one_by_one_fences: int = 2000
     trial_timeout_s: float = 5.0
     probe_timeout_s: float = 5.0
 
@@ -196,6 +199,7 @@ class BenchConfig:
             scale_window_s=0.1,
             streams=16,
             drop_objects=10_000,
+            one_by_one_fences=50,
         )
 
 
@@ -213,6 +217,9 @@ class Results:
         footprint: Threads and memory with many waits parked.
         drop: The drop-queue figures, per queue.
         signal_hold: How long each completion signal held its stream, in seconds.
+        one_by_one: Per queue kind, parked fences completing one by one: how
+            many, the wall time and the loop thread's CPU time in seconds,
+            and the device queries and signals per fence.
         completed: Scenario keys in the order they finished.
     """
 
@@ -224,6 +231,7 @@ class Results:
     footprint: dict[str, dict[str, float | None]] = field(default_factory=dict)
     drop: dict[str, dict[str, float]] = field(default_factory=dict)
     signal_hold: dict[str, list[float]] = field(default_factory=dict)
+    one_by_one: dict[str, dict[str, float]] = field(default_factory=dict)
     completed: list[str] = field(default_factory=list)
 
 

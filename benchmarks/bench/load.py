@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 import asyncfence
-from asyncfence.testing import StreamGate
+from asyncfence.testing import OpenCLDevice, StreamGate
 
 from ..measure import loop_lag, os_thread_count, percentile, python_threads_cpu, rss_bytes
-from .base import gather
+from .base import PARK, gather
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "cpu_while_parked",
     "cpu_while_waiting",
+    "parked_one_by_one",
     "parked_queues",
     "scale",
     "throughput",
@@ -218,3 +219,85 @@ async def scale(ctx: Context) -> None:
             figures = {"lag_p99_s": percentile(lags, 0.99), "lag_p50_s": percentile(lags, 0.5)}
             figures.update(ticks)
             ctx.results.scale.setdefault(contender.name, {})[size] = figures
+
+
+async def parked_one_by_one(ctx: Context) -> None:
+    """Parked fences completing one by one, on an in-order and an out-of-order queue.
+
+    ``asyncfence park`` only, on OpenCL: each fence behind a gate of its own,
+    every wait parked, then the gates released one at a time, each wait
+    awaited before the next release. The wall time includes the device's own:
+    PoCL's out-of-order queues track every earlier command as a dependency of
+    each marker, which costs it time that grows with the square of the
+    fences. The loop thread's CPU time is what waiting cost on the loop (the
+    releases run on a thread of their own), calls into the runtime included;
+    the device queries and signals per fence are asyncfence's own work.
+    """
+    target, config = ctx.target, ctx.config
+    park = next((c for c in ctx.entrants if c.name == PARK), None)
+    device = target.device
+    if park is None or not isinstance(device, OpenCLDevice):
+        return  # OpenCL's out-of-order queues only: the report has no such table
+    for kind, in_order in (("in-order", True), ("out-of-order", False)):
+        stream = device.new_stream(in_order=in_order)
+        try:
+            ctx.results.one_by_one[kind] = await _one_by_one(park, stream, config.one_by_one_fences)
+        finally:
+            device.close_stream(stream)
+
+
+async def _one_by_one(park: Contender, stream: Any, count: int) -> dict[str, float]:
+    """Time ``count`` parked waits woken one by one; a thread releases each gate in turn.
+
+    The releases run on a thread of their own: PoCL does part of its
+    dependency work inside the release call, which is the device's cost,
+    not the waiting's, and would otherwise land on the loop thread.
+    """
+    gates, tokens = [], []
+    for _ in range(count):
+        gates.append(StreamGate(stream))  # holds the fence recorded next
+        tokens.append(park.record(stream))
+    resumed = [threading.Event() for _ in range(count)]
+
+    async def wait(index: int) -> None:
+        await park.wait(tokens[index])
+        resumed[index].set()
+
+    def release_one_by_one() -> None:
+        for gate, event in zip(gates, resumed, strict=True):
+            gate.release()
+            if not event.wait(_RELEASE_ALL_TIMEOUT_S):
+                return  # the loop side times out and says so
+
+    releaser = threading.Thread(target=release_one_by_one, name="bench one-by-one releaser")
+    try:
+        with anyio.fail_after(2 * _RELEASE_ALL_TIMEOUT_S + count * 0.2):
+            async with anyio.create_task_group() as tg:
+                for index in range(count):
+                    tg.start_soon(wait, index)
+                while asyncfence.current_statistics().parked < count:  # noqa: ASYNC110
+                    await anyio.sleep(0.001)
+                before = asyncfence.current_statistics()
+                started, cpu_started = time.perf_counter(), time.thread_time()
+                releaser.start()
+            # Leaving the group waited for every wait: nothing else ran here.
+            wall, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
+            after = asyncfence.current_statistics()
+    finally:
+        for gate in gates:
+            gate.release()
+        if releaser.is_alive():
+            releaser.join()
+    for token in tokens:
+        park.done(token)
+    return {
+        "fences": float(count),
+        "wall_s": wall,
+        "loop_cpu_s": cpu,
+        # asyncfence's own work: what it asked the device, and the signals
+        # that woke it. Equal per fence on both queues when a wake costs what
+        # fired; the loop's CPU time also holds what each call costs inside
+        # the runtime.
+        "queries_per_fence": (after.queries - before.queries) / count,
+        "signals_per_fence": (after.signals - before.signals) / count,
+    }

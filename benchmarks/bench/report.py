@@ -160,6 +160,25 @@ def summarize(results: Results) -> dict[str, Any]:
         )
     if results.drop:
         summary["drop_queue"] = dict(results.drop)
+    if results.one_by_one:
+        kinds: dict[str, dict[str, float | None]] = {
+            kind: {
+                **figures,
+                "loop_cpu_per_fence_us": figures["loop_cpu_s"] / figures["fences"] * 1e6,
+            }
+            for kind, figures in results.one_by_one.items()
+        }
+        ordered_kind = results.one_by_one.get("in-order")
+        unordered = results.one_by_one.get("out-of-order")
+        if ordered_kind and unordered:
+            kinds["out-of-order vs in-order"] = {
+                "wall": _ratio(unordered["wall_s"], ordered_kind["wall_s"]),
+                "loop_cpu": _ratio(unordered["loop_cpu_s"], ordered_kind["loop_cpu_s"]),
+                "queries": _ratio(
+                    unordered["queries_per_fence"], ordered_kind["queries_per_fence"]
+                ),
+            }
+        summary["parked_one_by_one"] = kinds
     if results.signal_hold:
         summary["signal_hold"] = {
             name: {"p50_us": percentile(s, 0.5) * 1e6, "max_us": max(s) * 1e6, "trials": len(s)}
@@ -333,6 +352,46 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
                 ]
                 for n, f in summary["parked_queues"].items()
             ],
+        )
+    if "parked_one_by_one" in summary:
+        figures = summary["parked_one_by_one"]
+        rows = [
+            [
+                kind,
+                f"{int(f['fences']):,}",
+                _number(f["wall_s"], 3),
+                _number(f["loop_cpu_s"], 3),
+                _number(f["loop_cpu_per_fence_us"], 1),
+                _number(f["queries_per_fence"], 2),
+                _number(f["signals_per_fence"], 2),
+            ]
+            for kind, f in figures.items()
+            if "fences" in f
+        ]
+        ratio = figures.get("out-of-order vs in-order")
+        if ratio:
+            rows.append(
+                [
+                    "out-of-order vs in-order",
+                    "",
+                    _times(ratio["wall"]),
+                    _times(ratio["loop_cpu"]),
+                    "",
+                    _times(ratio["queries"]),
+                    "",
+                ]
+            )
+        result["parked fences completing one by one (asyncfence park)"] = (
+            [
+                "queue",
+                "fences",
+                "wall s",
+                "loop CPU s",
+                "loop CPU per fence µs",
+                "queries per fence",
+                "signals per fence",
+            ],
+            rows,
         )
     for key, title in _CPU_SCENARIOS.items():
         if key in summary:

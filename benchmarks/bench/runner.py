@@ -134,6 +134,13 @@ SCENARIOS: list[Scenario] = [
         lambda c, n: sum(n * (c.scale_window_s + 0.03 + s * 5e-5) for s in c.scale_sizes),
     ),
     Scenario(
+        "parked_one_by_one",
+        "parked fences completing one by one, in-order and out-of-order queue",
+        load.parked_one_by_one,
+        # PoCL's own out-of-order dependency tracking grows with the square.
+        lambda c, n: c.one_by_one_fences * 3e-4 + c.one_by_one_fences**2 * 3.5e-5,
+    ),
+    Scenario(
         "drop_queue",
         "the drop queue beside a lazy free-at-next-allocation pool",
         drop.drop_queue,

@@ -27,12 +27,14 @@ class EmulatorUnavailable(RuntimeError):
 def build(directory: Path | None = None) -> Path:
     """Compile the emulator (once per source version) and return the library's path.
 
-    The cache key is the source alone: the emulator reads its settings
+    The cache key is the source and ``ASYNCFENCE_EMULATOR_CFLAGS`` (extra
+    compiler flags: a sanitizer build, say): the emulator reads its settings
     (``ASYNCFENCE_EMULATED_DRIVER_VERSION``, ``ASYNCFENCE_EMULATED_DEVICES``,
     ``ASYNCFENCE_EMULATED_HIDE``) from the environment at run time, so one
     build serves every setting.
     """
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    extra_flags = os.environ.get("ASYNCFENCE_EMULATOR_CFLAGS", "").split()
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(extra_flags).encode()).hexdigest()[:16]
     directory = directory or Path(tempfile.gettempdir()) / f"asyncfence-emulated-cuda-{digest}"
     library = directory / "libcuda.so.1"
     if library.exists():
@@ -48,6 +50,7 @@ def build(directory: Path | None = None) -> Path:
         "-Wall",
         "-pthread",
         "-Wl,-soname,libcuda.so.1",
+        *extra_flags,
         "-o",
         str(partial),
         str(SOURCE),
