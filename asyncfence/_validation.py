@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["check_callable", "check_int"]
+__all__ = ["check_callable", "check_int", "type_name"]
 
 
 def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
@@ -31,3 +31,14 @@ def check_callable(name: str, value: object, *, optional: bool = False) -> None:
     if not callable(value):
         accepted = "None or callable" if optional else "callable"
         raise TypeError(f"{name} must be {accepted}, got {type(value).__qualname__}")
+
+
+def type_name(value: object) -> str:
+    """The full name of ``value``'s type for messages: ``module.qualname``.
+
+    Builtins keep their bare name (``int``, ``str``): ``torch.cpu.Stream`` and
+    ``torch.Stream`` read as different types, where ``Stream`` alone would not.
+    """
+    kind = type(value)
+    module = kind.__module__
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU check needs on the GPU machine, which cannot reach a
-# package registry: the ones listed in scripts/gpu-wheels.txt (pytest-asyncio, trio
-# and trio's needs), for its Python 3.12 on x86-64 Linux, without their
+# package registry: the ones listed in scripts/gpu-wheels.txt (anyio, pytest-asyncio, trio
+# and trio's needs), for its Python 3.12 (GPU_PYTHON_VERSION: another, for a
+# machine that models it with another Python) on x86-64 Linux, without their
 # dependencies (every one needed is listed).
 #
 #   scripts/fetch-gpu-wheels.sh DIR
@@ -13,6 +14,7 @@ set -euo pipefail
 dir=${1:?usage: scripts/fetch-gpu-wheels.sh DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 python=${PYTHON:-python3}
+python_version=${GPU_PYTHON_VERSION:-3.12}
 
 mapfile -t wanted < <(sed -e 's/#.*//' "$here/gpu-wheels.txt" | awk 'NF { print $1 }')
 if [ "${#wanted[@]}" = 0 ]; then
@@ -34,7 +36,7 @@ for requirement in "${wanted[@]}"; do
     done
 done
 "$python" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
-    --python-version 3.12 --implementation cp \
+    --python-version "$python_version" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 --platform any \

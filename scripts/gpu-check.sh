@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU check: asyncfence's CUDA tests, its interop tests (PyTorch, CuPy,
 # numba-cuda, cuda.core), a parked wait's wake path and completion signal, the
-# PyTorch example and the benchmark's CUDA section, against the real NVIDIA
-# driver, in under five minutes.
+# PyTorch example and the full benchmark's CUDA section, against the real NVIDIA
+# driver, in under nine minutes (one 10-minute call of the device tool).
 #
 #   scripts/gpu-check.sh OUTDIR [WHEELDIR]
 #
-# OUTDIR receives at most eight files: summary.json (rewritten after every step,
+# OUTDIR receives at most eleven files: summary.json (rewritten after every step,
 # so a hang or a kill loses nothing already done), steps.log, pytest.log,
 # tests.jsonl (one line per test phase, written as the tests run), junit.xml,
-# bench.json, bench.txt and bench.png. WHEELDIR holds the wheels the GPU machine
+# the full benchmark's bench.json (rewritten after every scenario: a time-out
+# leaves what was measured), bench.txt and bench.png, and, only where the full
+# run did not finish and time was left, the quick run's bench-quick.json,
+# bench-quick.txt and bench-quick.png beside it. WHEELDIR holds the wheels the GPU machine
 # lacks (scripts/fetch-gpu-wheels.sh makes it; scripts/gpu-wheels.txt lists
 # them): they are installed with --no-index into a private folder, so the
 # machine's own packages stay as they are, and each is imported at once. Without
@@ -17,14 +20,24 @@
 # are ignored.
 #
 # The project is used from this checkout (PYTHONPATH), never installed; the
-# native wake shim is compiled in place first where a C compiler exists.
+# native wake shim is compiled in place first where a C compiler exists. The
+# commit tested is git's where .git is present, else the one that
+# scripts/stamp-commit.sh wrote into the tree before it travelled
+# (.gpu-check-commit).
 #
 # Environment: PYTHON (default python3); ASYNCFENCE_CUDA_DRIVER=real (default),
 # emulated or auto: emulated runs every step on the test suite's emulated driver
 # (tests/cuda_emulator), to check this script on a machine without a GPU, with
 # ASYNCFENCE_EMULATED_DRIVER_VERSION=13000 to model a CUDA 13.0 driver;
-# ASYNCFENCE_GPU_CHECK_BUDGET, the seconds all steps share (default 285);
-# ASYNCFENCE_GPU_CHECK_TEST_TIMEOUT, the seconds one test may take (default 45).
+# ASYNCFENCE_GPU_CHECK_BUDGET, the seconds all steps share (default 520);
+# ASYNCFENCE_GPU_CHECK_TEST_TIMEOUT, the seconds one test may take (default 45);
+# ASYNCFENCE_GPU_CHECK_BENCH_CAP, the most seconds the full benchmark may take
+# (default: what the budget has left, less a minute for the quick fallback);
+# ASYNCFENCE_GPU_CHECK_STEPS, the steps to run of probe, tests, example and bench
+# (default: all; the others are recorded as not requested, and the check is not
+# ok), to check the script itself;
+# CUDA_DEVICE_MAX_CONNECTIONS (default here 32, the driver's own is 8): past that
+# many streams share hardware queues, which the 64-queue scenarios assume apart.
 #
 # Exit status: 0 when every step passed, 1 when one failed (summary.json's
 # failed_steps says which), 2 when the check could not start.
@@ -36,7 +49,7 @@ wheels=${2:-}
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
 report=$root/scripts/gpu_check_report.py
-budget=${ASYNCFENCE_GPU_CHECK_BUDGET:-285}
+budget=${ASYNCFENCE_GPU_CHECK_BUDGET:-520}
 reserve=10 # seconds kept back for the last summary
 # Seconds per test (pytest-timeout's signal method: the test fails, the run goes on).
 test_timeout=${ASYNCFENCE_GPU_CHECK_TEST_TIMEOUT:-45}
@@ -59,13 +72,14 @@ real | emulated) ;;
 *) fail "ASYNCFENCE_CUDA_DRIVER must be real, emulated or auto; got '$mode'" ;;
 esac
 export ASYNCFENCE_CUDA_DRIVER=$mode PYTHONUNBUFFERED=1
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 command -v "$python" >/dev/null || fail "no Python '$python' (set PYTHON)"
 command -v timeout >/dev/null || fail "no timeout(1) (coreutils)"
 
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 rm -f "$out"/{summary.json,steps.log,pytest.log,tests.jsonl,junit.xml} \
-    "$out"/{bench.json,bench.txt,bench.png}
+    "$out"/{bench.json,bench.txt,bench.png,bench-quick.json,bench-quick.txt,bench-quick.png}
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 : >"$out/steps.log"
@@ -78,6 +92,12 @@ summarize() { # rewrite summary.json from what the steps have left so far
     timeout 30 "$python" "$report" summary "$out" "$work" >/dev/null 2>>"$out/steps.log" || true
 }
 
+# requested NAME: whether ASYNCFENCE_GPU_CHECK_STEPS asks for step NAME (all by default).
+requested() {
+    local steps=" ${ASYNCFENCE_GPU_CHECK_STEPS:-probe tests example bench} "
+    [[ $steps == *" $1 "* ]]
+}
+
 # step NAME CAP LOG COMMAND...: run COMMAND under a timeout of CAP seconds, or of
 # what is left of the budget where that is less; its output goes to stdout and to
 # LOG. Records the exit status (124: timed out) and returns it.
@@ -85,6 +105,11 @@ step() {
     local name=$1 cap=$2 step_log=$3
     shift 3
     local left=$((budget - reserve - SECONDS))
+    if [[ " probe tests example bench " == *" ${name%_quick} "* ]] && ! requested "${name%_quick}"; then
+        printf '%s\tskipped: not requested\t0\t0\n' "$name" >>"$work/steps.tsv"
+        log "$name: not requested (ASYNCFENCE_GPU_CHECK_STEPS)"
+        return 0
+    fi
     if ((left < 5)); then
         printf '%s\tskipped: out of time\t0\t0\n' "$name" >>"$work/steps.tsv"
         log "$name: skipped, the budget of $budget s is spent"
@@ -104,12 +129,24 @@ step() {
     return "$rc"
 }
 
+# The commit: git's, else the stamp written before the tree travelled.
+commit=$(git -C "$root" rev-parse HEAD 2>/dev/null || true)
+commit_source=git
+if [ -z "$commit" ] && [ -s "$root/.gpu-check-commit" ]; then
+    commit=$(head -n 1 "$root/.gpu-check-commit")
+    commit_source=".gpu-check-commit ($(sed -n 2p "$root/.gpu-check-commit"))"
+elif [ -z "$commit" ]; then
+    commit=null commit_source="none: no .git and no .gpu-check-commit (scripts/stamp-commit.sh)"
+fi
 "$python" "$report" note "$work" meta \
     "started=$(date -u +%Y-%m-%dT%H:%M:%SZ)" "machine=$(uname -n)" "driver_mode=$mode" \
+    "commit=$commit" "commit_source=$commit_source" \
+    "CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS" \
     "emulated_driver_version=${ASYNCFENCE_EMULATED_DRIVER_VERSION:-null}" \
     "wheel_dir=${wheels:-null}" "budget_s=$budget" "python_command=$python" \
     || fail "$python cannot run $report"
-log "driver: $mode; python: $("$python" -c 'import sys; print(sys.version.split()[0], sys.executable)')"
+log "driver: $mode; commit: $commit ($commit_source); CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS"
+log "python: $("$python" -c 'import sys; print(sys.version.split()[0], sys.executable)')"
 
 # -- the carried wheels, imported at once ----------------------------------------------
 site=
@@ -180,7 +217,7 @@ step probe 40 "$out/steps.log" "${with_driver[@]}" "$python" "$report" probe "$w
 
 # -- the tests -------------------------------------------------------------------------------
 cd "$root"
-test_files=(tests/test_cuda.py tests/test_interop.py)
+test_files=(tests/test_cuda.py tests/test_interop.py tests/test_torch_cpu.py tests/test_torch_server.py)
 pytest_args=(
     -p no:cacheprovider -o addopts= --strict-markers -rA --durations=20
     -o timeout_method=signal --timeout "$test_timeout"
@@ -221,18 +258,25 @@ step tests 130 "$out/pytest.log" env "ASYNCFENCE_GPU_CHECK_LOG=$out/tests.jsonl"
 step example 45 "$work/example.txt" "$python" "$root/examples/torch_pipeline.py" || true
 cat "$work/example.txt" >>"$out/steps.log" 2>/dev/null || true
 
-# -- the benchmark's CUDA section ----------------------------------------------------------------
-bench_args=(--device cuda --json "$out/bench.json")
-if "$python" -c 'import matplotlib' 2>/dev/null; then
-    bench_args+=(--plot "$out/bench.png")
-fi
-if [ "$mode" = emulated ]; then
-    step bench_quick 60 "$out/bench.txt" "${with_driver[@]}" \
-        "$python" -m benchmarks bench --quick "${bench_args[@]}" || true
-elif ! step bench 110 "$out/bench.txt" "$python" -m benchmarks bench "${bench_args[@]}"; then
-    # Out of time or failed: the quick form, so that something is measured.
-    step bench_quick 40 "$out/bench.txt" \
-        "$python" -m benchmarks bench --quick "${bench_args[@]}" || true
+# -- the benchmark's CUDA section: the full run, and a quick one only beside it --------------
+# The full run rewrites bench.json after every scenario, so a time-out keeps
+# what it measured; the quick fallback writes files of its own, never those.
+bench_files() { # bench_files STEM: the --json (and --plot) arguments for OUTDIR/STEM.*
+    echo --json "$out/$1.json"
+    if "$python" -c 'import matplotlib' 2>/dev/null; then echo --plot "$out/$1.png"; fi
+}
+quick_reserve=60
+left=$((budget - reserve - SECONDS))
+bench_cap=${ASYNCFENCE_GPU_CHECK_BENCH_CAP:-$((left - quick_reserve))}
+if ((bench_cap < 30)); then bench_cap=30; fi # step() still stops at the budget
+# shellcheck disable=SC2046
+if ! step bench "$bench_cap" "$out/bench.txt" "${with_driver[@]}" \
+    "$python" -m benchmarks bench --device cuda $(bench_files bench); then
+    # Out of time or failed: a quick run too, beside it, so that every
+    # scenario is measured at least roughly; the full run's partial result stays.
+    # shellcheck disable=SC2046
+    step bench_quick 50 "$out/bench-quick.txt" "${with_driver[@]}" \
+        "$python" -m benchmarks bench --quick --device cuda $(bench_files bench-quick) || true
 fi
 
 touch "$work/done"

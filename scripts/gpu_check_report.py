@@ -52,6 +52,8 @@ DISTRIBUTIONS = (
     "pytest-asyncio",
     "pytest-timeout",
     "hypothesis",
+    "rich",
+    "matplotlib",
 )
 
 
@@ -186,43 +188,66 @@ def _packages() -> dict[str, dict[str, str]]:
     return dict(sorted(found.items()))
 
 
-def _git_commit(root: Path) -> str | None:
-    try:
-        result = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return (result.stdout.strip() or None) if result.returncode == 0 else None
+#: The oldest versions the check relies on (anyio 4.11: the tests' anyio_mode).
+MINIMUM_VERSIONS = {
+    "anyio": "4.11",
+    "cuda-bindings": "12.6",
+    "pytest": "8.2",
+    "pytest-timeout": "2.3",
+}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numeric release of a version string: ``"4.11.0rc1"`` gives (4, 11, 0)."""
+    numbers = []
+    for part in version.split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        numbers.append(int(digits.group()))
+        if digits.group() != part:
+            break
+    return tuple(numbers)
+
+
+def _too_old(packages: dict[str, dict[str, str]]) -> list[str]:
+    """Each package older than the check relies on, or missing, in words."""
+    problems = []
+    for name, minimum in MINIMUM_VERSIONS.items():
+        have = packages.get(name, {}).get("version")
+        if have is None:
+            problems.append(f"{name} is missing (needs {minimum} or newer)")
+        elif _release(have) < _release(minimum):
+            problems.append(f"{name} is {have}; the check needs {minimum} or newer")
+    return problems
 
 
 def versions(work: Path) -> int:
     """Record the driver, Python and package versions in ``work/versions.json``.
 
     Returns:
-        0, or 1 if ``cuDriverGetVersion`` failed (no usable driver).
+        0, or 1 if ``cuDriverGetVersion`` failed (no usable driver) or a
+        package is older than :data:`MINIMUM_VERSIONS` says.
     """
     import asyncfence
 
-    root = Path(asyncfence.__file__).resolve().parent.parent
     cuda = _cuda_driver_version()
+    packages = _packages()
     data = {
         "python": platform.python_version(),
         "python_executable": sys.executable,
         "asyncfence": asyncfence.__version__,
         "asyncfence_path": str(Path(asyncfence.__file__).resolve().parent),
-        "git_commit": _git_commit(root),
         "nvidia_smi": _nvidia_smi(),
         "cuDriverGetVersion": cuda,
-        "packages": _packages(),
+        "packages": packages,
+        "too_old": _too_old(packages),
     }
     _write_json(work / "versions.json", data)
     print(json.dumps(data, indent=2))
-    return 1 if "error" in cuda else 0
+    for problem in data["too_old"]:
+        print(f"gpu-check: {problem}", file=sys.stderr)
+    return 1 if "error" in cuda or data["too_old"] else 0
 
 
 # -- the signal probe ------------------------------------------------------------------
@@ -403,6 +428,41 @@ def _skip_reasons(log: Path) -> dict[str, int]:
     return dict(sorted(reasons.items(), key=lambda item: -item[1]))
 
 
+#: The bench scenarios that run work on more streams at once than the driver's
+#: default CUDA_DEVICE_MAX_CONNECTIONS (8): past it, streams share hardware
+#: queues, so their work (and held streams) may serialise.
+MANY_STREAM_SCENARIOS = ("wake_64_queues", "parked_queues", "throughput", "scale")
+
+
+def _bench(out: Path, stem: str, step: dict[str, Any] | None) -> dict[str, Any] | None:
+    """One bench run: its step, and which scenarios its JSON says it completed."""
+    if step is None:
+        return None
+    found: dict[str, Any] = {**step, "json": f"{stem}.json"}
+    report = _read_json(out / f"{stem}.json")
+    meta = report.get("meta", {}) if isinstance(report, dict) else {}
+    planned, completed = meta.get("scenarios", []), meta.get("completed", [])
+    found["scenarios_completed"] = completed
+    found["scenarios_missing"] = [key for key in planned if key not in completed]
+    found["complete"] = bool(planned) and not found["scenarios_missing"]
+    if "missing" in report:
+        found["error"] = report["missing"]
+    return found
+
+
+def _hardware_queues(meta: dict[str, Any]) -> dict[str, Any]:
+    connections = meta.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    limit = connections if isinstance(connections, int) else 8  # else the driver's default
+    return {
+        "CUDA_DEVICE_MAX_CONNECTIONS": connections,
+        "note": (
+            f"streams beyond {limit} share hardware queues: work in these scenarios, "
+            "which use 64 streams or more, may serialise there"
+        ),
+        "scenarios_affected": list(MANY_STREAM_SCENARIOS),
+    }
+
+
 def _tail(path: Path, lines: int = 15) -> list[str]:
     try:
         return path.read_text(errors="replace").splitlines()[-lines:]
@@ -436,23 +496,11 @@ def summary(out: Path, work: Path) -> int:
             "cuDriverGetVersion": cuda.get("version"),
             "cuda_driver_api": cuda.get("cuda"),
             "python": versions_data.get("python"),
-            **{
-                name: packages.get(name, {}).get("version")
-                for name in ("cuda-bindings", "cuda-core", "torch")
-            },
+            "asyncfence": versions_data.get("asyncfence"),
             "cupy": cupy,
-            **{
-                name: packages.get(name, {}).get("version")
-                for name in (
-                    "numba-cuda",
-                    "pytest",
-                    "pytest-asyncio",
-                    "pytest-timeout",
-                    "anyio",
-                    "uvloop",
-                    "trio",
-                )
-            },
+            # Every distribution of DISTRIBUTIONS, None where it is missing.
+            **{name: packages.get(_normalized(name), {}).get("version") for name in DISTRIBUTIONS},
+            "too_old": versions_data.get("too_old"),
         },
         "gpus": smi.get("gpus", smi.get("error")),
         "cuda_signal": probe_data.get("cuda_signal"),
@@ -468,15 +516,16 @@ def summary(out: Path, work: Path) -> int:
         "junit": _junit(out / "junit.xml"),
         "skip_reasons": _skip_reasons(out / "tests.jsonl"),
         "example": {**steps.get("example", {}), "output": _tail(work / "example.txt", 8)},
-        "bench": {name: steps[name] for name in ("bench", "bench_quick") if name in steps},
+        "bench": {
+            "full": _bench(out, "bench", steps.get("bench")),
+            "quick": _bench(out, "bench-quick", steps.get("bench_quick")),
+        },
+        "hardware_queues": _hardware_queues(meta),
         "steps": steps,
         "versions_detail": versions_data,
     }
-    failed = [
-        name
-        for name, step in steps.items()
-        if step.get("exit_code", 0) != 0 and not (name == "bench" and "bench_quick" in steps)
-    ]
+    # A full bench that timed out is a failure, even with the quick one beside it.
+    failed = [name for name, step in steps.items() if step.get("exit_code", 0) != 0]
     skipped = [name for name, step in steps.items() if "status" in step]
     report["failed_steps"] = failed
     report["skipped_steps"] = skipped
@@ -487,12 +536,14 @@ def summary(out: Path, work: Path) -> int:
     report["ok"] = not failed and not skipped and report["finished"]
     _write_json(out / "summary.json", report)
     digest = {
-        key: report[key]
+        key: report.get(key)
         for key in (
             "ok",
             "failed_steps",
             "skipped_steps",
+            "commit",
             "versions",
+            "hardware_queues",
             "cuda_signal",
             "wake_path",
             "shim",

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,9 @@ _uvloop_missing = importlib.util.find_spec("uvloop") is None
 _trio_missing = importlib.util.find_spec("trio") is None
 
 
+_blockbuster_missing = importlib.util.find_spec("blockbuster") is None
+
+
 def _uvloop_factory() -> Any:
     import uvloop
 
@@ -53,6 +57,34 @@ def _uvloop_factory() -> Any:
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
     backend: tuple[str, dict[str, Any]] = request.param
     return backend
+
+
+@pytest.fixture(autouse=True)
+def no_blocking_call_on_the_loop(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Run each async test under blockbuster, as anyio's suite runs: asyncfence
+    must never make a blocking call on a running loop (blockbuster sees asyncio
+    and uvloop; trio's runs are the same code).
+
+    Only calls from asyncfence's own frames are flagged: the tests themselves
+    may block on purpose (``wait_sync`` from a coroutine, say). A test whose
+    own callbacks block inside asyncfence's frames (a slow ``free``) says so:
+    ``@pytest.mark.blocks_on_purpose``.
+    """
+    if (
+        not inspect.iscoroutinefunction(request.function)
+        or _blockbuster_missing
+        or request.node.get_closest_marker("blocks_on_purpose") is not None
+    ):
+        yield
+        return
+    from blockbuster import blockbuster_ctx
+
+    with blockbuster_ctx("asyncfence") as buster:
+        # wait_sync is the blocking wait, by its contract: a test that calls it
+        # on the loop blocks on purpose.
+        for function in buster.functions.values():
+            function.can_block_in("asyncfence/_fence.py", {"wait_sync"})
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -223,6 +255,13 @@ async def until(predicate: Any) -> None:
 _cuda_mode = "none"
 _cuda_none_reason = "no CUDA driver in this run (ASYNCFENCE_CUDA_DRIVER=none)"
 _emulator: Any = None
+# Where the emulated driver is loaded, the folder of its libcuda.so.1, for the
+# subprocesses that must load the same driver; None on the real one.
+_emulated_library_dir: str | None = None
+# ASYNCFENCE_EMULATOR_HOOKS=hidden runs on the emulated driver as on the real
+# one: cuda_mode says "real" and its hooks are hidden, so only the tests that
+# need them skip. A check that everything else runs on a real driver.
+_HOOKS_HIDDEN = os.environ.get("ASYNCFENCE_EMULATOR_HOOKS") == "hidden"
 
 
 def _real_driver_present() -> bool:
@@ -231,7 +270,7 @@ def _real_driver_present() -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Choose the CUDA driver before anything loads one: it cannot change later."""
-    global _cuda_mode, _emulator, _cuda_none_reason
+    global _cuda_mode, _emulator, _cuda_none_reason, _emulated_library_dir
     requested = os.environ.get("ASYNCFENCE_CUDA_DRIVER", "auto")
     if requested not in ("auto", "real", "emulated", "none"):
         raise pytest.UsageError(
@@ -250,6 +289,10 @@ def pytest_configure(config: pytest.Config) -> None:
             # A machine without a C compiler: the CUDA tests skip, saying why.
             _cuda_none_reason = f"the emulated CUDA driver could not be built: {unavailable}"
             requested = "none"
+        else:
+            _emulated_library_dir = str(_emulator.path.parent)
+            if _HOOKS_HIDDEN:
+                _emulator, requested = None, "real"
     _cuda_mode = requested
 
 
@@ -268,6 +311,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_report_header(config: pytest.Config) -> str:
     if _cuda_mode == "emulated":
         return f"asyncfence CUDA driver: emulated ({_emulator.path})"
+    if _cuda_mode == "real" and _emulated_library_dir is not None:
+        return (
+            f"asyncfence CUDA driver: emulated ({_emulated_library_dir}), run as the real "
+            "one: its hooks hidden (ASYNCFENCE_EMULATOR_HOOKS=hidden)"
+        )
     if _cuda_mode == "real":
         return "asyncfence CUDA driver: real (NVIDIA)"
     return f"asyncfence CUDA driver: none, CUDA tests skip ({_cuda_none_reason})"
@@ -281,12 +329,53 @@ def cuda_mode() -> str:
     return _cuda_mode
 
 
+#: The reason a test that needs the emulated driver's hooks skips on a real driver.
+NEEDS_HOOKS = "needs the emulated driver's hooks"
+#: The reason a test of the emulated driver itself skips on a real driver.
+TESTS_THE_EMULATOR = "tests the emulated driver itself"
+
+
 @pytest.fixture
 def emulator(cuda_mode: str) -> Any:
-    """The emulated driver's test hooks; skips on a real driver."""
+    """The emulated driver's test hooks (fault injection, counters); skips on a real driver.
+
+    Only a test that calls them takes this fixture: every other CUDA test runs
+    on a real driver too (``ASYNCFENCE_EMULATOR_HOOKS=hidden`` checks it).
+    """
     if cuda_mode != "emulated":
-        pytest.skip("needs the emulated driver's hooks")
+        pytest.skip(NEEDS_HOOKS)
     return _emulator
+
+
+@pytest.fixture
+def emulated_driver(cuda_mode: str) -> None:
+    """For the tests of the emulated driver itself; skips on a real driver."""
+    if cuda_mode != "emulated":
+        pytest.skip(TESTS_THE_EMULATOR)
+
+
+@pytest.fixture
+def two_cuda_devices(cuda_device: CudaDevice) -> None:
+    """Skips unless the driver has at least two devices (the emulated one has two)."""
+    from cuda.bindings import driver
+
+    err, count = driver.cuDeviceGetCount()
+    if err != driver.CUresult.CUDA_SUCCESS or count < 2:
+        pytest.skip("needs two CUDA devices")
+
+
+@pytest.fixture
+def driver_env(cuda_mode: str) -> dict[str, str]:
+    """The environment a subprocess needs to load this run's CUDA driver.
+
+    The emulated one is found on ``LD_LIBRARY_PATH``; the real one as
+    installed. ``ASYNCFENCE_CUDA_DRIVER=none`` keeps a nested pytest from
+    loading a driver of its own.
+    """
+    env = {**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"}
+    if _emulated_library_dir is not None:
+        env["LD_LIBRARY_PATH"] = f"{_emulated_library_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"
+    return env
 
 
 @pytest.fixture(scope="session")

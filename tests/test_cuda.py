@@ -36,7 +36,7 @@ from asyncfence import (
 )
 from asyncfence._backend import backend_for
 from asyncfence._backends.cuda import CudaBackend
-from asyncfence._backends.cuda._driver import current_context
+from asyncfence._backends.cuda._driver import current_context, per_thread_default_stream
 from asyncfence._native import shim
 from asyncfence.testing import StreamGate, hold
 
@@ -175,7 +175,8 @@ def test_out_of_range_handles_are_refused(cuda_mode: str, handle: int) -> None:
         asyncfence.record(handle)
 
 
-def test_a_destroyed_stream_is_a_device_error(cuda_device: CudaDevice, emulator: Emulator) -> None:
+@pytest.mark.usefixtures("emulated_driver")
+def test_a_destroyed_stream_is_a_device_error(cuda_device: CudaDevice) -> None:
     # Emulator only: a real driver documents a destroyed handle as undefined behaviour.
     from cuda.bindings import driver
 
@@ -188,7 +189,8 @@ def test_a_destroyed_stream_is_a_device_error(cuda_device: CudaDevice, emulator:
     assert caught.value.name == "CUDA_ERROR_INVALID_HANDLE"
 
 
-def test_the_emulated_driver_is_the_version_asked_for(emulator: Emulator) -> None:
+@pytest.mark.usefixtures("emulated_driver")
+def test_the_emulated_driver_is_the_version_asked_for() -> None:
     """CI runs this file on both: 13.2 (the default) and 13.0 (no cuLaunchHostFunc_v2)."""
     from cuda.bindings import driver
 
@@ -252,7 +254,9 @@ def _events_in_use() -> int:
     return sum(
         1
         for obj in gc.get_objects()
-        if isinstance(obj, FenceCore) and obj.backend.name == "cuda" and not obj.marker_released
+        # type(), not isinstance(): the latter reads __class__, which some of
+        # torch's objects answer with a deprecation warning.
+        if type(obj) is FenceCore and obj.backend.name == "cuda" and not obj.marker_released
     )
 
 
@@ -292,7 +296,8 @@ async def test_enqueue_wait_holds_another_stream(cuda_device: CudaDevice) -> Non
     await assert_second_waits_for_first(cuda_device.new_stream(), cuda_device.new_stream())
 
 
-async def test_enqueue_wait_across_devices(cuda_device: CudaDevice, emulator: Emulator) -> None:
+@pytest.mark.usefixtures("two_cuda_devices")
+async def test_enqueue_wait_across_devices(cuda_device: CudaDevice) -> None:
     from asyncfence.testing import CudaDevice
 
     first = cuda_device.new_stream()
@@ -438,8 +443,9 @@ def blocking_stream(cuda_device: CudaDevice) -> Iterator[Any]:
     driver.cuStreamDestroy(stream)  # also ends a capture a failed test left open
 
 
+@pytest.mark.usefixtures("emulated_driver")
 def test_the_emulator_captures_instead_of_running(
-    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+    cuda_device: CudaDevice, cuda_stream: Any
 ) -> None:
     """What the backend's refusal rests on: captured work and events never run."""
     from cuda.bindings import driver
@@ -467,9 +473,8 @@ def test_the_emulator_captures_instead_of_running(
         driver.cuStreamDestroy(side)
 
 
-def test_the_emulator_replays_a_joined_capture(
-    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
-) -> None:
+@pytest.mark.usefixtures("emulated_driver")
+def test_the_emulator_replays_a_joined_capture(cuda_device: CudaDevice, cuda_stream: Any) -> None:
     from cuda.bindings import driver
 
     side = cuda_device.new_stream()
@@ -501,8 +506,9 @@ def test_the_emulator_replays_a_joined_capture(
         driver.cuStreamDestroy(side)
 
 
+@pytest.mark.usefixtures("emulated_driver")
 def test_the_emulator_guards_the_legacy_stream_and_unsafe_calls(
-    cuda_device: CudaDevice, blocking_stream: Any, emulator: Emulator
+    cuda_device: CudaDevice, blocking_stream: Any
 ) -> None:
     from cuda.bindings import driver
 
@@ -510,7 +516,7 @@ def test_the_emulator_guards_the_legacy_stream_and_unsafe_calls(
     try:
         begin_capture(blocking_stream)
         # Asking is harmless: STREAM_CAPTURE_IMPLICIT, and the capture stays valid.
-        assert driver.cuStreamIsCapturing(driver.CUstream(0))[0] == 906
+        assert driver.cuStreamIsCapturing(driver.CUstream(1))[0] == 906  # the legacy stream
         assert end_capture(blocking_stream)[0] == 0
         begin_capture(blocking_stream)
         # Using the legacy stream invalidates the capture.
@@ -550,12 +556,17 @@ def test_a_capturing_stream_refuses_a_fence(cuda_stream: Any, emulator: Emulator
 
 @pytest.mark.parametrize("handle", [0, 1])
 def test_the_legacy_stream_refuses_a_fence_while_a_blocking_stream_captures(
-    blocking_stream: Any, cuda_stream: Any, emulator: Emulator, handle: int
+    blocking_stream: Any, cuda_stream: Any, handle: int
 ) -> None:
     begin_capture(blocking_stream)
-    with pytest.raises(FenceError) as caught:
-        asyncfence.record(handle)
-    assert_refused_for_capture(caught, "legacy default stream")
+    if handle == 0 and per_thread_default_stream():
+        # Handle 0 is this thread's per-thread default stream in this mode:
+        # it does not synchronize with the capture, and takes fences.
+        asyncfence.record(handle).wait_sync(timeout=30)
+    else:
+        with pytest.raises(FenceError) as caught:
+            asyncfence.record(handle)
+        assert_refused_for_capture(caught, "legacy default stream")
     # Streams that do not synchronize with the capture still take fences.
     asyncfence.record(cuda_stream).wait_sync(timeout=30)
     asyncfence.record(2).wait_sync(timeout=30)  # the per-thread default stream
@@ -566,7 +577,7 @@ def test_the_legacy_stream_refuses_a_fence_while_a_blocking_stream_captures(
 
 
 async def test_after_the_capture_fences_record_and_follow_the_graph(
-    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+    cuda_device: CudaDevice, cuda_stream: Any
 ) -> None:
     """The documented pattern: the fence goes on the launch stream, after cuGraphLaunch."""
     from cuda.bindings import driver
@@ -594,9 +605,7 @@ async def test_after_the_capture_fences_record_and_follow_the_graph(
         host.free()
 
 
-def test_enqueue_wait_refuses_a_capturing_stream(
-    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
-) -> None:
+def test_enqueue_wait_refuses_a_capturing_stream(cuda_device: CudaDevice, cuda_stream: Any) -> None:
     from cuda.bindings import driver
 
     capturing = cuda_device.new_stream()
@@ -616,7 +625,7 @@ def test_enqueue_wait_refuses_a_capturing_stream(
 
 @pytest.mark.parametrize("where", ["this thread", "another thread"])
 async def test_waiting_during_a_capture_leaves_it_valid(
-    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator, where: str
+    cuda_device: CudaDevice, cuda_stream: Any, where: str
 ) -> None:
     """Polls and parked waits query events: in relaxed mode, never refused by a capture.
 
@@ -667,9 +676,7 @@ async def test_waiting_during_a_capture_leaves_it_valid(
         driver.cuStreamDestroy(capturing)
 
 
-async def test_the_drop_queue_never_defers_into_a_capture(
-    cuda_stream: Any, emulator: Emulator
-) -> None:
+async def test_the_drop_queue_never_defers_into_a_capture(cuda_stream: Any) -> None:
     freed: list[object] = []
     kept = object()
     async with DropQueue() as dq:
@@ -685,9 +692,7 @@ async def test_the_drop_queue_never_defers_into_a_capture(
     assert freed == [kept]
 
 
-async def test_a_staging_pool_never_defers_into_a_capture(
-    cuda_stream: Any, emulator: Emulator
-) -> None:
+async def test_a_staging_pool_never_defers_into_a_capture(cuda_stream: Any) -> None:
     pool = StagingPool(lambda: bytearray(16), 2)
     buffer = await pool.acquire()
     begin_capture(cuda_stream)
@@ -780,17 +785,20 @@ def primary_context(ordinal: int) -> int:
 @pytest.mark.parametrize("kind", FAKE_STREAMS, ids=lambda kind: kind.__module__)
 @pytest.mark.parametrize("ordinal", [0, 1])
 def test_a_default_stream_that_names_its_device_records_from_any_thread(
-    cuda_device: CudaDevice, emulator: Emulator, kind: type, ordinal: int
+    cuda_device: CudaDevice, kind: type, ordinal: int, request: pytest.FixtureRequest
 ) -> None:
     from cuda.bindings import driver
 
     from asyncfence.testing import CudaDevice
 
+    if ordinal:
+        request.getfixturevalue("two_cuda_devices")
+
     device = CudaDevice(ordinal)
     device.make_current()
     try:
-        with hold(0) as gate:  # that device's legacy default stream, held
-            stream = kind(0, ordinal)
+        with hold(1) as gate:  # that device's legacy default stream, held
+            stream = kind(1, ordinal)
 
             def record() -> tuple[asyncfence.Fence, int, int]:
                 before = current_context(driver)
@@ -807,9 +815,8 @@ def test_a_default_stream_that_names_its_device_records_from_any_thread(
         cuda_device.make_current()
 
 
-def test_a_default_stream_of_another_device_than_the_current_one(
-    cuda_device: CudaDevice, emulator: Emulator
-) -> None:
+@pytest.mark.usefixtures("two_cuda_devices")
+def test_a_default_stream_of_another_device_than_the_current_one(cuda_device: CudaDevice) -> None:
     fence = asyncfence.record(FakeTorchStream(0, 1))  # device 0 is current here
     assert fence._core._marker.context == primary_context(1)
     fence.wait_sync(timeout=30)
@@ -818,29 +825,89 @@ def test_a_default_stream_of_another_device_than_the_current_one(
     target.wait_sync(timeout=30)
 
 
-def test_a_bare_default_handle_still_needs_a_current_context(
-    cuda_device: CudaDevice, emulator: Emulator
+@pytest.mark.usefixtures("emulated_driver")
+def test_the_emulator_refuses_queued_work_without_a_current_context(
+    cuda_device: CudaDevice, cuda_stream: Any
 ) -> None:
+    """As cuda.h lists it: cuEventRecord, cuStreamWaitEvent and cuLaunchHostFunc
+    need a current context, even on a stream that names its own."""
+    from cuda.bindings import driver
+
+    event = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)[1]
+    try:
+        refused = in_fresh_thread(
+            lambda: (
+                driver.cuEventRecord(event, cuda_stream)[0],
+                driver.cuStreamWaitEvent(cuda_stream, event, 0)[0],
+            )
+        )
+        invalid = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
+        assert refused == (invalid, invalid)
+        assert driver.cuEventRecord(event, cuda_stream)[0] == 0  # with one current: fine
+    finally:
+        driver.cuEventDestroy(event)
+
+
+def test_a_stream_records_waits_and_parks_from_a_thread_without_a_context(
+    cuda_device: CudaDevice, cuda_stream: Any
+) -> None:
+    """Every call that queues work makes the stream's context current first.
+
+    On a fresh thread (no current context): a record, an enqueue_wait and a
+    parked wait, whose signal is armed from that thread's own loop.
+    """
+    from cuda.bindings import driver
+
+    other = cuda_device.new_stream()
+    try:
+        with hold(cuda_stream) as gate:
+
+            def record_and_wait() -> tuple[asyncfence.Fence, asyncfence.Fence, int]:
+                fence = asyncfence.record(cuda_stream)
+                fence.enqueue_wait(other)
+                return fence, asyncfence.record(other), current_context(driver)
+
+            fence, behind, context_after = in_fresh_thread(record_and_wait)
+            assert context_after == 0  # pushed for each call, popped after
+            assert not fence.done()
+            assert not behind.done()  # the other stream waits for the held one
+
+            async def park_then_release() -> asyncfence.PollerStatistics:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(partial(behind.wait, strategy="park"))
+                    await until(lambda: asyncfence.current_statistics().parked == 1)
+                    armed = asyncfence.current_statistics()
+                    gate.release()
+                return armed
+
+            armed = in_fresh_thread(lambda: anyio.run(park_then_release))
+            if shim() is not None:
+                assert armed.armed == 1  # the signal was armed, not left to the re-check
+            assert fence.done()
+            assert behind.done()
+    finally:
+        driver.cuStreamDestroy(other)
+
+
+def test_a_bare_default_handle_still_needs_a_current_context(cuda_device: CudaDevice) -> None:
     with pytest.raises(DeviceError, match="names its device") as caught:
         in_fresh_thread(lambda: asyncfence.record(0))
     assert caught.value.name == "CUDA_ERROR_INVALID_CONTEXT"
 
 
 def test_enqueue_wait_on_a_default_stream_from_a_fresh_thread(
-    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+    cuda_device: CudaDevice, cuda_stream: Any
 ) -> None:
     with hold(cuda_stream) as gate:
         fence = asyncfence.record(cuda_stream)
-        in_fresh_thread(lambda: fence.enqueue_wait(FakeTorchStream(0, 0)))
-        later = asyncfence.record(0)  # the legacy stream now waits for the fence
+        in_fresh_thread(lambda: fence.enqueue_wait(FakeTorchStream(1, 0)))
+        later = asyncfence.record(1)  # the legacy stream now waits for the fence
         assert not later.done()
         gate.release()
         later.wait_sync(timeout=30)
 
 
-def test_per_thread_default_streams_are_one_queue_per_thread(
-    cuda_device: CudaDevice, emulator: Emulator
-) -> None:
+def test_per_thread_default_streams_are_one_queue_per_thread(cuda_device: CudaDevice) -> None:
     backend = cuda_backend()
     ready, finish = threading.Event(), threading.Event()
     theirs: dict[str, asyncfence.Fence] = {}
@@ -869,7 +936,7 @@ def test_per_thread_default_streams_are_one_queue_per_thread(
 
 
 async def test_a_new_threads_default_stream_is_not_held_behind_an_exited_threads(
-    cuda_device: CudaDevice, emulator: Emulator
+    cuda_device: CudaDevice,
 ) -> None:
     # Thread idents are reused once a thread exits: a new thread's per-thread
     # default stream must not share the queue of an exited thread's, whose
@@ -915,17 +982,14 @@ async def test_a_new_threads_default_stream_is_not_held_behind_an_exited_threads
 
 
 @pytest.mark.parametrize("per_thread", ["1", None], ids=["per-thread", "legacy"])
-def test_handle_0_in_per_thread_mode(cuda_mode: str, strategy: str, per_thread: str | None) -> None:
-    """With CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1, handle 0 is per thread, as 2 is."""
-    if cuda_mode != "emulated":
-        pytest.skip("sets the mode before the driver loads: a subprocess on the emulator")
-    from .cuda_emulator import build
+def test_handle_0_in_per_thread_mode(
+    driver_env: dict[str, str], strategy: str, per_thread: str | None
+) -> None:
+    """With CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1, handle 0 is per thread, as 2 is.
 
-    env = {
-        **os.environ,
-        "ASYNCFENCE_CUDA_DRIVER": "none",
-        "LD_LIBRARY_PATH": f"{build().parent}:{os.environ.get('LD_LIBRARY_PATH', '')}",
-    }
+    A subprocess: the mode is read when the driver loads.
+    """
+    env = dict(driver_env)
     env.pop("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", None)
     if per_thread is not None:
         env["CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM"] = per_thread
@@ -1035,7 +1099,7 @@ def test_a_buffer_is_freed_from_a_thread_without_a_current_context(
 
 
 def test_a_drop_queue_on_a_thread_without_a_context_frees_buffers(
-    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+    cuda_device: CudaDevice, cuda_stream: Any
 ) -> None:
     from cuda.bindings import driver
 
@@ -1071,18 +1135,30 @@ class BadProtocol:
         ((0, 1, 2), TypeError, r"must give a \(version, handle\) tuple"),
         (("0", 7), TypeError, "protocol version must be an int"),
         ((1, 7), ValueError, "unsupported __cuda_stream__ protocol version 1"),
-        ((0, "abc"), TypeError, r"handle must be an int, got str 'abc' from BadProtocol.__cuda_"),
+        (
+            (0, "abc"),
+            TypeError,
+            r"handle must be an int, got str 'abc' from tests.test_cuda.BadProtocol.__cuda_",
+        ),
         (
             (0, 3.9),
             TypeError,
-            r"handle must be an int, got float 3.9 from BadProtocol.__cuda_stream",
+            r"handle must be an int, got float 3.9 from tests.test_cuda.BadProtocol.__cuda_stream",
         ),
-        ((0, True), TypeError, r"handle must be an int, got bool True from BadProtocol.__cuda_"),
-        ((0, False), TypeError, r"handle must be an int, got bool False from BadProtocol.__cuda"),
+        (
+            (0, True),
+            TypeError,
+            r"handle must be an int, got bool True from tests.test_cuda.BadProtocol.__cuda_",
+        ),
+        (
+            (0, False),
+            TypeError,
+            r"handle must be an int, got bool False from tests.test_cuda.BadProtocol.__cuda",
+        ),
         (
             (0, -1),
             ValueError,
-            r"must be in \[0, 2\*\*64\), got -1 from BadProtocol.__cuda_stream__",
+            r"must be in \[0, 2\*\*64\), got -1 from tests.test_cuda.BadProtocol.__cuda_stream__",
         ),
     ],
 )
@@ -1101,13 +1177,10 @@ def test_buffer_sizes_out_of_range_are_refused_by_name(nbytes: int) -> None:
 
 
 def test_a_child_forked_during_driver_initialisation_gets_a_fence_error(
-    emulator: Emulator,
+    driver_env: dict[str, str],
 ) -> None:
-    import os
     import subprocess
     import sys
-
-    from .cuda_emulator import build
 
     code = """
 import os, threading
@@ -1135,11 +1208,7 @@ go.set()
 first.join(30)
 raise SystemExit(os.waitstatus_to_exitcode(status))
 """
-    env = {
-        **os.environ,
-        "ASYNCFENCE_CUDA_DRIVER": "none",
-        "LD_LIBRARY_PATH": f"{build().parent}:{os.environ.get('LD_LIBRARY_PATH', '')}",
-    }
+    env = driver_env
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
@@ -1227,9 +1296,7 @@ async def test_one_signal_per_cuda_stream_not_per_fence(
     await until(lambda: emulator.pending_host_funcs() == 0)
 
 
-async def test_cuda_signal_never_holds_the_users_stream(
-    cuda_device: CudaDevice, emulator: Emulator
-) -> None:
+async def test_cuda_signal_never_holds_the_users_stream(cuda_device: CudaDevice) -> None:
     from cuda.bindings import driver
 
     # The signal runs on a side stream; the user's stream runs on even while a
@@ -1330,3 +1397,112 @@ async def test_the_cuda_driver_gets_the_native_function_itself(
     native = shim()
     assert native is not None
     assert emulator.last_host_fn() == native.fire  # not a trampoline
+
+
+# -- a context reset -------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("two_cuda_devices")  # device 1: the other tests keep nothing there
+async def test_after_a_context_reset_no_destroyed_event_or_side_stream_is_reused(
+    cuda_device: CudaDevice,
+) -> None:
+    """cuDevicePrimaryCtxReset (numba's cuda.close()) destroys the context's events
+    and streams; the context after it may have the same address, never the same id."""
+    from cuda.bindings import driver
+
+    from asyncfence.testing import CudaDevice
+
+    device = CudaDevice(1)
+    backend = cuda_backend()
+    device.make_current()
+    try:
+        stream = device.new_stream()
+        with hold(stream) as gate:  # parked: a side stream made, armed, then pooled
+            fence = asyncfence.record(stream)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(fence.wait, strategy="park"))
+                await until(lambda: asyncfence.current_statistics().parked == 1)
+                gate.release()
+        for _ in range(3):  # events back in the context's pool
+            asyncfence.record(stream).wait_sync(timeout=30)
+        del fence
+        gc.collect()
+        before = backend.statistics()
+        assert before.pooled_markers >= 1
+        assert before.side_streams >= 1
+        (err,) = driver.cuDevicePrimaryCtxReset(driver.CUdevice(1))
+        assert err == driver.CUresult.CUDA_SUCCESS
+        device.make_current()
+        stream = device.new_stream()  # the old one went with the reset
+        with hold(stream) as gate:
+            fence = asyncfence.record(stream)  # not on a destroyed pooled event
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(fence.wait, strategy="park"))
+                await until(lambda: asyncfence.current_statistics().parked == 1)
+                if shim() is not None:  # armed on a new side stream, not a destroyed one
+                    assert asyncfence.current_statistics().armed == 1
+                gate.release()
+        assert fence.done()
+        driver.cuStreamDestroy(stream)
+    finally:
+        cuda_device.make_current()
+
+
+# -- nothing blocks a running loop ------------------------------------------------
+
+
+_FIRST_RECORD_UNDER_BLOCKBUSTER = """
+import asyncio, sys
+from blockbuster import blockbuster_ctx
+import asyncfence
+
+class Stream:  # names its device, as PyTorch's streams do: the legacy stream of device 0
+    class device:
+        index = 0
+    def __cuda_stream__(self):
+        return (0, 1)
+Stream.__module__ = "torch.cuda.streams"
+stream = Stream()
+gate = None
+if sys.argv[1] != "cold":
+    asyncfence.warm_up(stream)  # and nothing else loads the driver before the loop
+if sys.argv[1] == "warmed, parked":
+    from asyncfence.testing import CudaDevice, StreamGate
+    CudaDevice(0).make_current()
+    gate = StreamGate(1)  # the fence parks behind it
+
+async def main():
+    with blockbuster_ctx("asyncfence"):
+        fence = asyncfence.record(stream)
+        waiter = asyncio.ensure_future(fence.wait(strategy="park"))
+        while gate is not None and asyncfence.current_statistics().parked < 1:
+            await asyncio.sleep(0.001)
+        if gate is not None:
+            gate.release()
+        await waiter
+        print(asyncfence.current_statistics().signals)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("start", ["cold", "warmed", "warmed, parked"])
+def test_after_warm_up_the_first_record_and_park_make_no_blocking_call(
+    driver_env: dict[str, str], start: str
+) -> None:
+    pytest.importorskip("blockbuster")
+    result = subprocess.run(
+        [sys.executable, "-c", _FIRST_RECORD_UNDER_BLOCKBUSTER, start],
+        env=driver_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if start == "cold":  # what warm_up is for: a cold first record loads the driver
+        assert result.returncode != 0
+        assert "BlockingError" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr[-3000:]
+    if start == "warmed, parked" and shim() is not None:
+        assert result.stdout.split() == ["1"]  # parked, and woken by its signal

@@ -140,3 +140,119 @@ def test_note_converts_what_the_shell_hands_it(report: ModuleType, tmp_path: Pat
     report.note(tmp_path, "shim", ["built=true", "path=/x/_shim.so", "stale=null", "n=3"])
     data = json.loads((tmp_path / "shim.json").read_text())
     assert data == {"built": True, "path": "/x/_shim.so", "stale": None, "n": 3}
+
+
+def write_bench(path: Path, planned: list[str], completed: list[str]) -> None:
+    meta = {"scenarios": planned, "completed": completed}
+    path.write_text(json.dumps({"meta": meta, "summary": {}, "samples": {}}))
+
+
+def test_a_timed_out_full_bench_keeps_its_partial_result_beside_the_quick_one(
+    report: ModuleType, tmp_path: Path
+) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    write_bench(out / "bench.json", ["wake_latency", "scale"], ["wake_latency"])
+    write_bench(out / "bench-quick.json", ["wake_latency", "scale"], ["wake_latency", "scale"])
+    (work / "steps.tsv").write_text("bench\t124\t300\t300\nbench_quick\t0\t50\t20\n")
+    (work / "done").touch()
+    assert report.summary(out, work) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed_steps"] == ["bench"]  # the quick run does not excuse it
+    full, quick = summary["bench"]["full"], summary["bench"]["quick"]
+    assert full["timed_out"] is True
+    assert full["complete"] is False
+    assert full["scenarios_completed"] == ["wake_latency"]
+    assert full["scenarios_missing"] == ["scale"]
+    assert quick["complete"] is True
+    assert quick["json"] == "bench-quick.json"
+
+
+def test_a_finished_full_bench_needs_no_quick_one(report: ModuleType, tmp_path: Path) -> None:
+    write_bench(tmp_path / "bench.json", ["wake_latency"], ["wake_latency"])
+    (tmp_path / "steps.tsv").write_text("bench\t0\t300\t120\n")
+    (tmp_path / "done").touch()
+    assert report.summary(tmp_path, tmp_path) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["bench"]["full"]["complete"] is True
+    assert summary["bench"]["quick"] is None
+
+
+def test_the_summary_names_the_commit_and_the_hardware_queues(
+    report: ModuleType, tmp_path: Path
+) -> None:
+    report.note(tmp_path, "meta", ["commit=abc123", "CUDA_DEVICE_MAX_CONNECTIONS=32"])
+    (tmp_path / "steps.tsv").write_text("")
+    report.summary(tmp_path, tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["commit"] == "abc123"
+    queues = summary["hardware_queues"]
+    assert queues["CUDA_DEVICE_MAX_CONNECTIONS"] == 32
+    assert "wake_64_queues" in queues["scenarios_affected"]
+    assert "beyond 32" in queues["note"]
+
+
+@pytest.mark.parametrize(
+    ("installed", "problem"),
+    [
+        ({"anyio": "4.10.0"}, "anyio is 4.10.0; the check needs 4.11 or newer"),
+        ({}, "anyio is missing"),
+        ({"anyio": "4.11.0rc1"}, None),
+        ({"anyio": "4.12"}, None),
+    ],
+)
+def test_versions_older_than_the_check_relies_on_are_named(
+    report: ModuleType, installed: dict[str, str], problem: str | None
+) -> None:
+    others = {name: {"version": "99"} for name in report.MINIMUM_VERSIONS if name != "anyio"}
+    packages = {**others, **{name: {"version": v} for name, v in installed.items()}}
+    problems = report._too_old(packages)
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1
+        assert problem in problems[0]
+
+
+def test_a_forced_time_out_leaves_the_partial_full_bench_beside_the_quick_one(
+    tmp_path: Path, cuda_mode: str
+) -> None:
+    """The script itself, on the emulated driver: its bench step only, capped short."""
+    if cuda_mode != "emulated":
+        pytest.skip("runs the check's bench on the emulated driver")
+    import shutil
+    import subprocess
+
+    if shutil.which("timeout") is None:
+        pytest.skip("needs timeout(1)")
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "ASYNCFENCE_CUDA_DRIVER": "emulated",
+        "ASYNCFENCE_GPU_CHECK_STEPS": "bench",
+        "ASYNCFENCE_GPU_CHECK_BENCH_CAP": "8",  # far short of a full run
+        "TMPDIR": str(tmp_path),
+    }
+    result = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu-check.sh"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    full, quick = summary["bench"]["full"], summary["bench"]["quick"]
+    assert full["timed_out"] is True
+    assert full["complete"] is False
+    assert full["scenarios_missing"]  # what the cut left out, named
+    assert quick["exit_code"] == 0
+    assert quick["complete"] is True
+    # Each run kept its own files: the quick one never overwrote the full one.
+    assert json.loads((out / "bench.json").read_text())["meta"]["quick"] is False
+    assert json.loads((out / "bench-quick.json").read_text())["meta"]["quick"] is True
+    assert summary["failed_steps"] == ["bench"]
+    assert summary["commit"]  # from git here

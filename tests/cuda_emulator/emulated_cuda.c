@@ -25,6 +25,15 @@
  * Test hooks (emu_*) hold and release streams, inject faults and count live
  * objects. Handles are validated against registries, so a stale or bogus
  * handle gives CUDA_ERROR_INVALID_HANDLE instead of a crash.
+ *
+ * Built with -DASYNCFENCE_WITH_CUDA_H and the toolkit's include folder (as
+ * build() does where CUDA 13.0's or a newer cuda.h is present), it compiles
+ * against the real cuda.h and cudaTypedefs.h, so a drift from them is a build
+ * error: every exported function's definition must match its cuda.h
+ * prototype, the typedefs below must repeat cuda.h's, every row of
+ * entry_points[] must match its PFN_<name>_v<version> type (and every other
+ * PFN type a caller may call it through), and every constant must equal
+ * cuda.h's. Without the header it builds alone, with the same typedefs.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -35,28 +44,141 @@
 #include <string.h>
 #include <time.h>
 
-typedef int CUresult;
+#ifdef ASYNCFENCE_WITH_CUDA_H
+/* As the driver's own build: cuda.h then declares every exported name as it is
+ * (cuStreamDestroy, not a macro for cuStreamDestroy_v2; the legacy v1 forms, the
+ * _ptsz ones) and cudaTypedefs.h every PFN type, the older ones included. */
+#define __CUDA_API_VERSION_INTERNAL 1
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#if CUDA_VERSION < 13000
+#error "the emulator models CUDA 13.0's API: it needs cuda.h of CUDA 13.0 or newer"
+#endif
+#else
+/* cuda.h's enums, complete types as there (the values the emulator uses are
+ * its own constants below), and the tags it points to. */
+enum cudaError_enum { CUDA_SUCCESS = 0 };
+enum CUdevice_attribute_enum { CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 1 };
+enum CUstreamCaptureMode_enum { CU_STREAM_CAPTURE_MODE_GLOBAL = 0 };
+enum CUstreamCaptureStatus_enum { CU_STREAM_CAPTURE_STATUS_NONE = 0 };
+enum CUdriverProcAddressQueryResult_enum { CU_GET_PROC_ADDRESS_SUCCESS = 0 };
+struct CUgraphEdgeData_st;
+#endif
+
+/* cuda.h's types (C11 lets a typedef be repeated for the same type: with the
+ * header, each of these must be cuda.h's own, or the build fails). */
+typedef enum cudaError_enum CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
+typedef uint32_t cuuint32_t;
+typedef uint64_t cuuint64_t;
+typedef enum CUdevice_attribute_enum CUdevice_attribute;
+typedef enum CUstreamCaptureMode_enum CUstreamCaptureMode;
+typedef enum CUstreamCaptureStatus_enum CUstreamCaptureStatus;
+typedef enum CUdriverProcAddressQueryResult_enum CUdriverProcAddressQueryResult;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUgreenCtx_st *CUgreenCtx;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUgraphEdgeData_st CUgraphEdgeData;
 typedef void (*CUhostFn)(void *);
 
-enum {
-    SUCCESS = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3,
-    NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201,
-    INVALID_HANDLE = 400, ILLEGAL_STATE = 401, NOT_FOUND = 500, NOT_READY = 600,
-    ILLEGAL_ADDRESS = 700, LAUNCH_FAILED = 719, NOT_PERMITTED = 800,
-    NOT_SUPPORTED = 801, STREAM_CAPTURE_UNSUPPORTED = 900, STREAM_CAPTURE_INVALIDATED = 901,
-    STREAM_CAPTURE_UNMATCHED = 903, STREAM_CAPTURE_UNJOINED = 904,
-    STREAM_CAPTURE_ISOLATION = 905, STREAM_CAPTURE_IMPLICIT = 906, CAPTURED_EVENT = 907,
-    STREAM_CAPTURE_WRONG_THREAD = 908,
-};
+/* The CUresult codes (plain ints: they convert to cuda.h's enums without a warning). */
+#define SUCCESS 0
+#define INVALID_VALUE 1
+#define OUT_OF_MEMORY 2
+#define NOT_INITIALIZED 3
+#define NO_DEVICE 100
+#define INVALID_DEVICE 101
+#define INVALID_CONTEXT 201
+#define INVALID_HANDLE 400
+#define ILLEGAL_STATE 401
+#define NOT_FOUND 500
+#define NOT_READY 600
+#define ILLEGAL_ADDRESS 700
+#define LAUNCH_FAILED 719
+#define NOT_PERMITTED 800
+#define NOT_SUPPORTED 801
+#define STREAM_CAPTURE_UNSUPPORTED 900
+#define STREAM_CAPTURE_INVALIDATED 901
+#define STREAM_CAPTURE_UNMATCHED 903
+#define STREAM_CAPTURE_UNJOINED 904
+#define STREAM_CAPTURE_ISOLATION 905
+#define STREAM_CAPTURE_IMPLICIT 906
+#define CAPTURED_EVENT 907
+#define STREAM_CAPTURE_WRONG_THREAD 908
 
 /* CUstreamCaptureMode, CUstreamCaptureStatus, CU_STREAM_NON_BLOCKING */
-enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
-enum { CAPTURE_NONE = 0, CAPTURE_ACTIVE = 1, CAPTURE_INVALIDATED = 2 };
+#define MODE_GLOBAL 0
+#define MODE_THREAD_LOCAL 1
+#define MODE_RELAXED 2
+#define CAPTURE_NONE 0
+#define CAPTURE_ACTIVE 1
+#define CAPTURE_INVALIDATED 2
 #define STREAM_NON_BLOCKING 1
-/* CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM */
+/* CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM; CUdriverProcAddressQueryResult */
 #define PROC_PER_THREAD_DEFAULT_STREAM 2
+#define PROC_FOUND 0
+#define PROC_SYMBOL_NOT_FOUND 1
+#define PROC_VERSION_NOT_SUFFICIENT 2
+/* CUevent_flags: CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS */
+#define EVENT_BLOCKING_SYNC 1
+#define EVENT_DISABLE_TIMING 2
+#define EVENT_INTERPROCESS 4
+#define EVENT_FLAGS (EVENT_BLOCKING_SYNC | EVENT_DISABLE_TIMING | EVENT_INTERPROCESS)
+/* CUstreamWaitValue_flags: the comparisons cuStreamWaitValue32 knows */
+enum { WAIT_VALUE_GEQ = 0, WAIT_VALUE_EQ = 1, WAIT_VALUE_AND = 2, WAIT_VALUE_NOR = 3 };
+
+#ifdef ASYNCFENCE_WITH_CUDA_H
+/* Every constant is cuda.h's. */
+#define SAME_AS_CUDA_H(ours, theirs) \
+    _Static_assert((long long)(ours) == (long long)(theirs), #ours " differs from " #theirs " of cuda.h");
+SAME_AS_CUDA_H(SUCCESS, CUDA_SUCCESS)
+SAME_AS_CUDA_H(INVALID_VALUE, CUDA_ERROR_INVALID_VALUE)
+SAME_AS_CUDA_H(OUT_OF_MEMORY, CUDA_ERROR_OUT_OF_MEMORY)
+SAME_AS_CUDA_H(NOT_INITIALIZED, CUDA_ERROR_NOT_INITIALIZED)
+SAME_AS_CUDA_H(NO_DEVICE, CUDA_ERROR_NO_DEVICE)
+SAME_AS_CUDA_H(INVALID_DEVICE, CUDA_ERROR_INVALID_DEVICE)
+SAME_AS_CUDA_H(INVALID_CONTEXT, CUDA_ERROR_INVALID_CONTEXT)
+SAME_AS_CUDA_H(INVALID_HANDLE, CUDA_ERROR_INVALID_HANDLE)
+SAME_AS_CUDA_H(ILLEGAL_STATE, CUDA_ERROR_ILLEGAL_STATE)
+SAME_AS_CUDA_H(NOT_FOUND, CUDA_ERROR_NOT_FOUND)
+SAME_AS_CUDA_H(NOT_READY, CUDA_ERROR_NOT_READY)
+SAME_AS_CUDA_H(ILLEGAL_ADDRESS, CUDA_ERROR_ILLEGAL_ADDRESS)
+SAME_AS_CUDA_H(LAUNCH_FAILED, CUDA_ERROR_LAUNCH_FAILED)
+SAME_AS_CUDA_H(NOT_PERMITTED, CUDA_ERROR_NOT_PERMITTED)
+SAME_AS_CUDA_H(NOT_SUPPORTED, CUDA_ERROR_NOT_SUPPORTED)
+SAME_AS_CUDA_H(STREAM_CAPTURE_UNSUPPORTED, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+SAME_AS_CUDA_H(STREAM_CAPTURE_INVALIDATED, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
+SAME_AS_CUDA_H(STREAM_CAPTURE_UNMATCHED, CUDA_ERROR_STREAM_CAPTURE_UNMATCHED)
+SAME_AS_CUDA_H(STREAM_CAPTURE_UNJOINED, CUDA_ERROR_STREAM_CAPTURE_UNJOINED)
+SAME_AS_CUDA_H(STREAM_CAPTURE_ISOLATION, CUDA_ERROR_STREAM_CAPTURE_ISOLATION)
+SAME_AS_CUDA_H(STREAM_CAPTURE_IMPLICIT, CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
+SAME_AS_CUDA_H(CAPTURED_EVENT, CUDA_ERROR_CAPTURED_EVENT)
+SAME_AS_CUDA_H(STREAM_CAPTURE_WRONG_THREAD, CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD)
+SAME_AS_CUDA_H(MODE_GLOBAL, CU_STREAM_CAPTURE_MODE_GLOBAL)
+SAME_AS_CUDA_H(MODE_THREAD_LOCAL, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+SAME_AS_CUDA_H(MODE_RELAXED, CU_STREAM_CAPTURE_MODE_RELAXED)
+SAME_AS_CUDA_H(CAPTURE_NONE, CU_STREAM_CAPTURE_STATUS_NONE)
+SAME_AS_CUDA_H(CAPTURE_ACTIVE, CU_STREAM_CAPTURE_STATUS_ACTIVE)
+SAME_AS_CUDA_H(CAPTURE_INVALIDATED, CU_STREAM_CAPTURE_STATUS_INVALIDATED)
+SAME_AS_CUDA_H(STREAM_NON_BLOCKING, CU_STREAM_NON_BLOCKING)
+SAME_AS_CUDA_H(PROC_PER_THREAD_DEFAULT_STREAM, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
+SAME_AS_CUDA_H(PROC_FOUND, CU_GET_PROC_ADDRESS_SUCCESS)
+SAME_AS_CUDA_H(PROC_SYMBOL_NOT_FOUND, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)
+SAME_AS_CUDA_H(PROC_VERSION_NOT_SUFFICIENT, CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT)
+SAME_AS_CUDA_H(EVENT_BLOCKING_SYNC, CU_EVENT_BLOCKING_SYNC)
+SAME_AS_CUDA_H(EVENT_DISABLE_TIMING, CU_EVENT_DISABLE_TIMING)
+SAME_AS_CUDA_H(EVENT_INTERPROCESS, CU_EVENT_INTERPROCESS)
+SAME_AS_CUDA_H(WAIT_VALUE_GEQ, CU_STREAM_WAIT_VALUE_GEQ)
+SAME_AS_CUDA_H(WAIT_VALUE_EQ, CU_STREAM_WAIT_VALUE_EQ)
+SAME_AS_CUDA_H(WAIT_VALUE_AND, CU_STREAM_WAIT_VALUE_AND)
+SAME_AS_CUDA_H(WAIT_VALUE_NOR, CU_STREAM_WAIT_VALUE_NOR)
+#undef SAME_AS_CUDA_H
+#endif
 
 #define MAX_DEVICES 8
 /* The version reported by default; ASYNCFENCE_EMULATED_DRIVER_VERSION (13000 for
@@ -64,16 +186,18 @@ enum { CAPTURE_NONE = 0, CAPTURE_ACTIVE = 1, CAPTURE_INVALIDATED = 2 };
  * versions and never hands out entry points that came after it. */
 #define DEFAULT_DRIVER_VERSION 13020
 
-typedef struct stream stream_t;
+/* The handles' structs are cuda.h's opaque ones (a CUstream is a stream_t *). */
+typedef struct CUstream_st stream_t;
 typedef struct capture capture_t;
 
-typedef struct context {
+typedef struct CUctx_st {
     int device;
     int sticky; /* 0, or the sticky error code */
     stream_t *default_stream; /* the legacy default stream */
+    unsigned long long id; /* cuCtxGetId's: new at every creation and reset */
 } context_t;
 
-typedef struct event {
+typedef struct CUevent_st {
     context_t *ctx;
     unsigned flags;
     uint64_t target; /* generation of the latest record */
@@ -107,7 +231,7 @@ typedef struct op {
     size_t bytes;
 } op_t;
 
-struct stream {
+struct CUstream_st {
     context_t *ctx;
     op_t *head, *tail;
     int busy;
@@ -135,7 +259,8 @@ struct capture {
 };
 
 /* What cuStreamEndCapture returns, and its instantiations: the captured memsets. */
-typedef struct graph { op_t *head; } graph_t;
+typedef struct CUgraph_st { op_t *head; } graph_t;
+typedef struct CUgraphExec_st { op_t *head; } graph_exec_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t progress = PTHREAD_COND_INITIALIZER;
@@ -144,6 +269,7 @@ static int device_count = 2;
 static context_t *primary[MAX_DEVICES];
 static long live_events, live_streams, pending_host_funcs, events_created, live_host_allocs;
 static long host_funcs_v1, host_funcs_v2;
+static unsigned long long next_context_id = 1;
 static void *last_host_fn;
 
 static int driver_version(void) {
@@ -474,10 +600,10 @@ static void sleep_ns(long ns) {
 static int value_condition_met(volatile uint32_t *address, uint32_t value, unsigned flags) {
     uint32_t current = __atomic_load_n(address, __ATOMIC_ACQUIRE);
     switch (flags & 0xf) {
-    case 0: return (int32_t)(current - value) >= 0; /* GEQ, cyclic */
-    case 1: return current == value;                /* EQ */
-    case 2: return (current & value) != 0;          /* AND */
-    case 3: return ~(current | value) != 0;         /* NOR */
+    case WAIT_VALUE_GEQ: return (int32_t)(current - value) >= 0; /* cyclic */
+    case WAIT_VALUE_EQ: return current == value;
+    case WAIT_VALUE_AND: return (current & value) != 0;
+    case WAIT_VALUE_NOR: return ~(current | value) != 0;
     default: return 1;
     }
 }
@@ -605,7 +731,7 @@ CUresult cuDeviceGetName(char *name, int length, CUdevice device) {
     return SUCCESS;
 }
 
-CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
+CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attribute, CUdevice device) {
     if (!initialized) return NOT_INITIALIZED;
     if (device < 0 || device >= device_count) return INVALID_DEVICE;
     if (!value) return INVALID_VALUE;
@@ -614,13 +740,14 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
     return SUCCESS;
 }
 
-CUresult cuDevicePrimaryCtxRetain(void **pctx, CUdevice device) {
+CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice device) {
     if (!initialized) return NOT_INITIALIZED;
     if (device < 0 || device >= device_count) return INVALID_DEVICE;
     pthread_mutex_lock(&mu);
     if (!primary[device]) {
         primary[device] = calloc(1, sizeof(context_t));
         primary[device]->device = device;
+        primary[device]->id = next_context_id++;
         ptrset_add(&live_context_set, primary[device]);
     }
     *pctx = primary[device];
@@ -638,7 +765,60 @@ static CUresult check_context(void *ctx) {
     return ptrset_find(&live_context_set, ctx) == (size_t)-1 ? INVALID_CONTEXT : SUCCESS;
 }
 
-CUresult cuCtxSetCurrent(void *ctx) {
+static void stream_leave_capture_locked(stream_t *s);
+static void event_unref_locked(event_t *e);
+
+/* Destroy every live event and stream whose context is ctx (their handles turn
+ * invalid); the worker of each stream drains its queue, then frees it. */
+static void destroy_context_objects_locked(context_t *ctx) {
+    for (size_t i = 0; i < live_event_set.cap; i++) {
+        event_t *e = live_event_set.slots[i];
+        if (!e || (void *)e == TOMBSTONE || e->ctx != ctx) continue;
+        live_event_set.slots[i] = TOMBSTONE;
+        live_events--;
+        event_unref_locked(e);
+    }
+    for (size_t i = 0; i < live_stream_set.cap; i++) {
+        stream_t *st = live_stream_set.slots[i];
+        if (!st || (void *)st == TOMBSTONE || st->ctx != ctx) continue;
+        live_stream_set.slots[i] = TOMBSTONE;
+        stream_leave_capture_locked(st);
+        st->destroyed = 1;
+        live_streams--;
+        pthread_cond_signal(&st->wake);
+    }
+}
+
+/* As the real driver: every allocation and object of the primary context is
+ * destroyed and its state reset. The context keeps its address (as a new one
+ * may get a destroyed one's), but not its id: cuCtxGetId tells them apart. */
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice device) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (device < 0 || device >= device_count) return INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    context_t *ctx = primary[device];
+    if (ctx) {
+        destroy_context_objects_locked(ctx);
+        ctx->sticky = 0;
+        ctx->id = next_context_id++;
+        pthread_cond_broadcast(&progress);
+    }
+    pthread_mutex_unlock(&mu);
+    return SUCCESS;
+}
+
+CUresult cuCtxGetId(CUcontext ctx_handle, unsigned long long *id) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!id) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    context_t *ctx = ctx_handle ? ctx_handle : current_ctx();
+    CUresult r = !ctx ? INVALID_CONTEXT : check_context(ctx);
+    if (!r) *id = ctx->id;
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx) {
     pthread_mutex_lock(&mu);
     CUresult r = ctx ? check_context(ctx) : SUCCESS;
     pthread_mutex_unlock(&mu);
@@ -648,13 +828,13 @@ CUresult cuCtxSetCurrent(void *ctx) {
     return SUCCESS;
 }
 
-CUresult cuCtxGetCurrent(void **pctx) {
+CUresult cuCtxGetCurrent(CUcontext *pctx) {
     if (!initialized) return NOT_INITIALIZED;
     *pctx = current_ctx();
     return SUCCESS;
 }
 
-CUresult cuCtxPushCurrent(void *ctx) {
+CUresult cuCtxPushCurrent(CUcontext ctx) {
     pthread_mutex_lock(&mu);
     CUresult r = check_context(ctx);
     pthread_mutex_unlock(&mu);
@@ -664,7 +844,7 @@ CUresult cuCtxPushCurrent(void *ctx) {
     return SUCCESS;
 }
 
-CUresult cuCtxPopCurrent(void **pctx) {
+CUresult cuCtxPopCurrent(CUcontext *pctx) {
     if (!initialized) return NOT_INITIALIZED;
     if (!ctx_depth) return INVALID_CONTEXT;
     context_t *ctx = ctx_stack[--ctx_depth];
@@ -672,20 +852,36 @@ CUresult cuCtxPopCurrent(void **pctx) {
     return SUCCESS;
 }
 
-CUresult cuCtxGetDevice(CUdevice *device) {
-    context_t *ctx = current_ctx();
+static CUresult check_context(void *ctx);
+
+static CUresult named_context(void *ctx_handle) {
+    if (!ctx_handle) return SUCCESS;
+    pthread_mutex_lock(&mu);
+    CUresult r = check_context(ctx_handle);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+/* The _v2 forms (CUDA 13.0) name the context; NULL means the current one. */
+CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx_handle) {
     if (!initialized) return NOT_INITIALIZED;
+    context_t *ctx = ctx_handle ? ctx_handle : current_ctx();
     if (!ctx) return INVALID_CONTEXT;
+    if (named_context(ctx_handle)) return INVALID_CONTEXT;
+    if (!device) return INVALID_VALUE;
     *device = ctx->device;
     return SUCCESS;
 }
 
+CUresult cuCtxGetDevice(CUdevice *device) { return cuCtxGetDevice_v2(device, NULL); }
+
 static int context_idle_locked(context_t *ctx);
 
-CUresult cuCtxSynchronize(void) {
-    context_t *ctx = current_ctx();
+CUresult cuCtxSynchronize_v2(CUcontext ctx_handle) {
+    context_t *ctx = ctx_handle ? ctx_handle : current_ctx();
     if (!initialized) return NOT_INITIALIZED;
     if (!ctx) return INVALID_CONTEXT;
+    if (named_context(ctx_handle)) return INVALID_CONTEXT;
     pthread_mutex_lock(&mu);
     CUresult r = unsafe_call_locked();
     if (!r) {
@@ -696,9 +892,11 @@ CUresult cuCtxSynchronize(void) {
     return r;
 }
 
+CUresult cuCtxSynchronize(void) { return cuCtxSynchronize_v2(NULL); }
+
 /* ---- streams ---------------------------------------------------------------- */
 
-CUresult cuStreamCreate(void **phandle, unsigned int flags) {
+CUresult cuStreamCreate(CUstream *phandle, unsigned int flags) {
     if (!initialized) return NOT_INITIALIZED;
     if (flags & ~(unsigned)STREAM_NON_BLOCKING) return INVALID_VALUE;
     if (!phandle) return INVALID_VALUE;
@@ -718,7 +916,7 @@ CUresult cuStreamCreate(void **phandle, unsigned int flags) {
     return r;
 }
 
-CUresult cuStreamDestroy(void *handle) {
+CUresult cuStreamDestroy(CUstream handle) {
     if (!initialized) return NOT_INITIALIZED;
     pthread_mutex_lock(&mu);
     CUresult r = SUCCESS;
@@ -735,7 +933,7 @@ CUresult cuStreamDestroy(void *handle) {
     return r;
 }
 
-CUresult cuStreamGetCtx(void *handle, void **pctx) {
+CUresult cuStreamGetCtx(CUstream handle, CUcontext *pctx) {
     pthread_mutex_lock(&mu);
     stream_t *s = NULL;
     CUresult r = resolve_stream(handle, &s);
@@ -744,7 +942,7 @@ CUresult cuStreamGetCtx(void *handle, void **pctx) {
     return r;
 }
 
-CUresult cuStreamGetCtx_v2(void *handle, void **pctx, void **pgreen) {
+CUresult cuStreamGetCtx_v2(CUstream handle, CUcontext *pctx, CUgreenCtx *pgreen) {
     CUresult r = cuStreamGetCtx(handle, pctx);
     if (!r && pgreen) *pgreen = NULL;
     return r;
@@ -772,7 +970,7 @@ static CUresult not_capturing_locked(stream_t *s) {
     return STREAM_CAPTURE_UNSUPPORTED;
 }
 
-CUresult cuStreamQuery(void *handle) {
+CUresult cuStreamQuery(CUstream handle) {
     pthread_mutex_lock(&mu);
     stream_t *s = NULL;
     CUresult r = resolve_stream(handle, &s);
@@ -783,7 +981,7 @@ CUresult cuStreamQuery(void *handle) {
     return r;
 }
 
-CUresult cuStreamSynchronize(void *handle) {
+CUresult cuStreamSynchronize(CUstream handle) {
     pthread_mutex_lock(&mu);
     stream_t *s = NULL;
     CUresult r = resolve_stream(handle, &s);
@@ -804,11 +1002,16 @@ static CUresult usable_stream_locked(void *handle, stream_t **out) {
     return r;
 }
 
+/* cuda.h lists CUDA_ERROR_INVALID_CONTEXT for the calls that queue work
+ * (cuEventRecord, cuStreamWaitEvent, cuLaunchHostFunc): they need a current
+ * context on the calling thread, even for a stream that names its own. */
+static CUresult queuing_context(void) { return current_ctx() ? SUCCESS : INVALID_CONTEXT; }
+
 /* ---- events ----------------------------------------------------------------- */
 
-CUresult cuEventCreate(void **phandle, unsigned int flags) {
+CUresult cuEventCreate(CUevent *phandle, unsigned int flags) {
     if (!initialized) return NOT_INITIALIZED;
-    if (!phandle || flags > 0xf) return INVALID_VALUE;
+    if (!phandle || (flags & ~(unsigned)EVENT_FLAGS)) return INVALID_VALUE;
     context_t *ctx = current_ctx();
     if (!ctx) return INVALID_CONTEXT;
     event_t *e = calloc(1, sizeof *e);
@@ -824,7 +1027,7 @@ CUresult cuEventCreate(void **phandle, unsigned int flags) {
     return SUCCESS;
 }
 
-CUresult cuEventDestroy(void *handle) {
+CUresult cuEventDestroy(CUevent handle) {
     if (!initialized) return NOT_INITIALIZED;
     pthread_mutex_lock(&mu);
     CUresult r = SUCCESS;
@@ -838,7 +1041,8 @@ CUresult cuEventDestroy(void *handle) {
     return r;
 }
 
-CUresult cuEventRecord(void *event_handle, void *stream_handle) {
+CUresult cuEventRecord(CUevent event_handle, CUstream stream_handle) {
+    if (queuing_context()) return INVALID_CONTEXT;
     pthread_mutex_lock(&mu);
     event_t *e = NULL;
     stream_t *s = NULL;
@@ -871,7 +1075,7 @@ CUresult cuEventRecord(void *event_handle, void *stream_handle) {
     return r;
 }
 
-CUresult cuEventQuery(void *handle) {
+CUresult cuEventQuery(CUevent handle) {
     pthread_mutex_lock(&mu);
     event_t *e = NULL;
     CUresult r = resolve_event(handle, &e);
@@ -882,7 +1086,7 @@ CUresult cuEventQuery(void *handle) {
     return r;
 }
 
-CUresult cuEventSynchronize(void *handle) {
+CUresult cuEventSynchronize(CUevent handle) {
     pthread_mutex_lock(&mu);
     event_t *e = NULL;
     CUresult r = resolve_event(handle, &e);
@@ -898,9 +1102,7 @@ CUresult cuEventSynchronize(void *handle) {
     return r;
 }
 
-#define EVENT_DISABLE_TIMING 2
-
-CUresult cuEventElapsedTime(float *ms, void *start_handle, void *end_handle) {
+CUresult cuEventElapsedTime(float *ms, CUevent start_handle, CUevent end_handle) {
     if (!ms) return INVALID_VALUE;
     pthread_mutex_lock(&mu);
     event_t *start = NULL, *end = NULL;
@@ -913,8 +1115,9 @@ CUresult cuEventElapsedTime(float *ms, void *start_handle, void *end_handle) {
     return r;
 }
 
-CUresult cuStreamWaitEvent(void *stream_handle, void *event_handle, unsigned int flags) {
+CUresult cuStreamWaitEvent(CUstream stream_handle, CUevent event_handle, unsigned int flags) {
     if (flags != 0) return INVALID_VALUE;
+    if (queuing_context()) return INVALID_CONTEXT;
     pthread_mutex_lock(&mu);
     event_t *e = NULL;
     stream_t *s = NULL;
@@ -963,6 +1166,7 @@ CUresult cuStreamWaitEvent(void *stream_handle, void *event_handle, unsigned int
 
 static CUresult launch_host_func(void *stream_handle, CUhostFn fn, void *data, long *counter) {
     if (!fn) return INVALID_VALUE;
+    if (queuing_context()) return INVALID_CONTEXT;
     pthread_mutex_lock(&mu);
     stream_t *s = NULL;
     CUresult r = usable_stream_locked(stream_handle, &s);
@@ -982,11 +1186,11 @@ static CUresult launch_host_func(void *stream_handle, CUhostFn fn, void *data, l
     return r;
 }
 
-CUresult cuLaunchHostFunc(void *stream_handle, CUhostFn fn, void *data) {
+CUresult cuLaunchHostFunc(CUstream stream_handle, CUhostFn fn, void *data) {
     return launch_host_func(stream_handle, fn, data, &host_funcs_v1);
 }
 
-CUresult cuLaunchHostFunc_v2(void *stream_handle, CUhostFn fn, void *data, unsigned int sync_mode) {
+CUresult cuLaunchHostFunc_v2(CUstream stream_handle, CUhostFn fn, void *data, unsigned int sync_mode) {
     if (sync_mode > 1) return INVALID_VALUE;
     return launch_host_func(stream_handle, fn, data, &host_funcs_v2);
 }
@@ -1010,12 +1214,12 @@ static CUresult enqueue_value_op(enum op_kind kind, void *stream_handle, CUdevic
     return r;
 }
 
-CUresult cuStreamWaitValue32(void *stream, CUdeviceptr address, uint32_t value, unsigned int flags) {
-    if ((flags & 0xf) > 3) return INVALID_VALUE;
+CUresult cuStreamWaitValue32(CUstream stream, CUdeviceptr address, cuuint32_t value, unsigned int flags) {
+    if ((flags & 0xf) > WAIT_VALUE_NOR) return INVALID_VALUE;
     return enqueue_value_op(OP_WAIT_VALUE, stream, address, value, flags);
 }
 
-CUresult cuStreamWriteValue32(void *stream, CUdeviceptr address, uint32_t value, unsigned int flags) {
+CUresult cuStreamWriteValue32(CUstream stream, CUdeviceptr address, cuuint32_t value, unsigned int flags) {
     return enqueue_value_op(OP_WRITE_VALUE, stream, address, value, flags);
 }
 
@@ -1036,7 +1240,7 @@ CUresult cuMemHostAlloc(void **pp, size_t bytes, unsigned int flags) {
     return SUCCESS;
 }
 
-CUresult cuMemAllocHost(void **pp, size_t bytes) { return cuMemHostAlloc(pp, bytes, 0); }
+CUresult cuMemAllocHost_v2(void **pp, size_t bytes) { return cuMemHostAlloc(pp, bytes, 0); }
 
 /* As the real driver: freeing needs a current context. */
 CUresult cuMemFreeHost(void *p) {
@@ -1050,14 +1254,14 @@ CUresult cuMemFreeHost(void *p) {
     return SUCCESS;
 }
 
-CUresult cuMemHostGetDevicePointer(CUdeviceptr *pdptr, void *p, unsigned int flags) {
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int flags) {
     if (!initialized) return NOT_INITIALIZED;
     if (!pdptr || !p || flags) return INVALID_VALUE;
     *pdptr = (CUdeviceptr)(uintptr_t)p; /* unified addressing */
     return SUCCESS;
 }
 
-CUresult cuMemAlloc(CUdeviceptr *pdptr, size_t bytes) {
+CUresult cuMemAlloc_v2(CUdeviceptr *pdptr, size_t bytes) {
     if (!initialized) return NOT_INITIALIZED;
     if (!current_ctx()) return INVALID_CONTEXT;
     if (!pdptr || !bytes) return INVALID_VALUE;
@@ -1071,14 +1275,14 @@ CUresult cuMemAlloc(CUdeviceptr *pdptr, size_t bytes) {
     return SUCCESS;
 }
 
-CUresult cuMemFree(CUdeviceptr dptr) {
+CUresult cuMemFree_v2(CUdeviceptr dptr) {
     if (!initialized) return NOT_INITIALIZED;
     if (!current_ctx()) return INVALID_CONTEXT;
     free((void *)(uintptr_t)dptr);
     return SUCCESS;
 }
 
-CUresult cuMemAllocAsync(CUdeviceptr *pdptr, size_t bytes, void *stream_handle) {
+CUresult cuMemAllocAsync(CUdeviceptr *pdptr, size_t bytes, CUstream stream_handle) {
     pthread_mutex_lock(&mu);
     stream_t *s = NULL;
     CUresult r = usable_stream_locked(stream_handle, &s);
@@ -1090,7 +1294,7 @@ CUresult cuMemAllocAsync(CUdeviceptr *pdptr, size_t bytes, void *stream_handle) 
     return SUCCESS;
 }
 
-CUresult cuMemFreeAsync(CUdeviceptr dptr, void *stream_handle) {
+CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream_handle) {
     pthread_mutex_lock(&mu);
     stream_t *s = NULL;
     CUresult r = usable_stream_locked(stream_handle, &s);
@@ -1118,13 +1322,14 @@ static CUresult enqueue_memset(CUdeviceptr dptr, unsigned value, size_t bytes, v
     return r;
 }
 
-CUresult cuMemsetD8Async(CUdeviceptr dptr, unsigned char value, size_t count, void *stream) {
+CUresult cuMemsetD8Async(CUdeviceptr dptr, unsigned char value, size_t count, CUstream stream) {
     return enqueue_memset(dptr, value, count, stream);
 }
 
 /* ---- stream capture and graphs ------------------------------------------------ */
 
-CUresult cuStreamBeginCapture_v2(void *stream_handle, int mode) {
+CUresult cuStreamBeginCapture_v2(CUstream stream_handle, CUstreamCaptureMode capture_mode) {
+    int mode = (int)capture_mode;
     if (mode < MODE_GLOBAL || mode > MODE_RELAXED) return INVALID_VALUE;
     pthread_mutex_lock(&mu);
     stream_t *s = NULL;
@@ -1146,11 +1351,11 @@ CUresult cuStreamBeginCapture_v2(void *stream_handle, int mode) {
     return r;
 }
 
-CUresult cuStreamBeginCapture(void *stream_handle) {
+CUresult cuStreamBeginCapture(CUstream stream_handle) {
     return cuStreamBeginCapture_v2(stream_handle, MODE_GLOBAL);
 }
 
-CUresult cuStreamEndCapture(void *stream_handle, void **pgraph) {
+CUresult cuStreamEndCapture(CUstream stream_handle, CUgraph *pgraph) {
     if (!pgraph) return INVALID_VALUE;
     pthread_mutex_lock(&mu);
     stream_t *s = NULL;
@@ -1181,7 +1386,7 @@ CUresult cuStreamEndCapture(void *stream_handle, void **pgraph) {
 
 /* Answers for the legacy stream while a blocking stream of its context captures:
  * STREAM_CAPTURE_IMPLICIT, and the capture stays valid (as the real driver). */
-static CUresult capture_status_locked(void *stream_handle, int *status, uint64_t *id) {
+static CUresult capture_status_locked(void *stream_handle, CUstreamCaptureStatus *status, cuuint64_t *id) {
     stream_t *s = NULL;
     CUresult r = resolve_stream(stream_handle, &s);
     if (r) return r;
@@ -1192,7 +1397,7 @@ static CUresult capture_status_locked(void *stream_handle, int *status, uint64_t
     return SUCCESS;
 }
 
-CUresult cuStreamIsCapturing(void *stream_handle, int *status) {
+CUresult cuStreamIsCapturing(CUstream stream_handle, CUstreamCaptureStatus *status) {
     if (!status) return INVALID_VALUE;
     pthread_mutex_lock(&mu);
     CUresult r = capture_status_locked(stream_handle, status, NULL);
@@ -1201,8 +1406,8 @@ CUresult cuStreamIsCapturing(void *stream_handle, int *status) {
 }
 
 /* The 11.3 signature; the graph and its dependencies are not modelled (NULL, 0). */
-CUresult cuStreamGetCaptureInfo_v2(void *stream_handle, int *status, uint64_t *id, void **graph,
-                                   const void **deps, size_t *n_deps) {
+CUresult cuStreamGetCaptureInfo_v2(CUstream stream_handle, CUstreamCaptureStatus *status, cuuint64_t *id,
+                                   CUgraph *graph, const CUgraphNode **deps, size_t *n_deps) {
     if (!status) return INVALID_VALUE;
     pthread_mutex_lock(&mu);
     CUresult r = capture_status_locked(stream_handle, status, id);
@@ -1216,18 +1421,21 @@ CUresult cuStreamGetCaptureInfo_v2(void *stream_handle, int *status, uint64_t *i
 }
 
 /* The 12.3 signature (cuStreamGetCaptureInfo in CUDA 13): edge data added. */
-CUresult cuStreamGetCaptureInfo_v3(void *stream_handle, int *status, uint64_t *id, void **graph,
-                                   const void **deps, const void **edges, size_t *n_deps) {
+CUresult cuStreamGetCaptureInfo_v3(CUstream stream_handle, CUstreamCaptureStatus *status, cuuint64_t *id,
+                                   CUgraph *graph, const CUgraphNode **deps,
+                                   const CUgraphEdgeData **edges, size_t *n_deps) {
     CUresult r = cuStreamGetCaptureInfo_v2(stream_handle, status, id, graph, deps, n_deps);
     if (!r && edges) *edges = NULL;
     return r;
 }
 
-CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
-    if (!mode || *mode < MODE_GLOBAL || *mode > MODE_RELAXED) return INVALID_VALUE;
+CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode) {
+    if (!mode) return INVALID_VALUE;
+    int requested = (int)*mode;
+    if (requested < MODE_GLOBAL || requested > MODE_RELAXED) return INVALID_VALUE;
     int previous = thread_capture_mode;
-    thread_capture_mode = *mode;
-    *mode = previous;
+    thread_capture_mode = requested;
+    *mode = (CUstreamCaptureMode)previous;
     return SUCCESS;
 }
 
@@ -1243,27 +1451,27 @@ static op_t *copy_ops(op_t *op) {
     return head;
 }
 
-CUresult cuGraphDestroy(void *handle) {
+CUresult cuGraphDestroy(CUgraph handle) {
     if (!initialized) return NOT_INITIALIZED;
     pthread_mutex_lock(&mu);
     CUresult r = ptrset_remove(&graph_set, handle) ? SUCCESS : INVALID_VALUE;
     if (!r) {
-        free_ops_locked(((graph_t *)handle)->head);
+        free_ops_locked(handle->head);
         free(handle);
     }
     pthread_mutex_unlock(&mu);
     return r;
 }
 
-CUresult cuGraphInstantiateWithFlags(void **pexec, void *graph_handle, unsigned long long flags) {
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *pexec, CUgraph graph_handle, unsigned long long flags) {
     (void)flags;
     if (!initialized) return NOT_INITIALIZED;
     if (!pexec) return INVALID_VALUE;
     pthread_mutex_lock(&mu);
     CUresult r = ptrset_find(&graph_set, graph_handle) == (size_t)-1 ? INVALID_VALUE : SUCCESS;
     if (!r) {
-        graph_t *exec = calloc(1, sizeof *exec);
-        exec->head = copy_ops(((graph_t *)graph_handle)->head);
+        graph_exec_t *exec = calloc(1, sizeof *exec);
+        exec->head = copy_ops(graph_handle->head);
         ptrset_add(&graph_exec_set, exec);
         *pexec = exec;
     }
@@ -1271,12 +1479,12 @@ CUresult cuGraphInstantiateWithFlags(void **pexec, void *graph_handle, unsigned 
     return r;
 }
 
-CUresult cuGraphExecDestroy(void *handle) {
+CUresult cuGraphExecDestroy(CUgraphExec handle) {
     if (!initialized) return NOT_INITIALIZED;
     pthread_mutex_lock(&mu);
     CUresult r = ptrset_remove(&graph_exec_set, handle) ? SUCCESS : INVALID_VALUE;
     if (!r) {
-        free_ops_locked(((graph_t *)handle)->head);
+        free_ops_locked(handle->head);
         free(handle);
     }
     pthread_mutex_unlock(&mu);
@@ -1284,13 +1492,13 @@ CUresult cuGraphExecDestroy(void *handle) {
 }
 
 /* Replays the captured memsets on the stream, in order. */
-CUresult cuGraphLaunch(void *exec_handle, void *stream_handle) {
+CUresult cuGraphLaunch(CUgraphExec exec_handle, CUstream stream_handle) {
     pthread_mutex_lock(&mu);
     stream_t *s = NULL;
     CUresult r = ptrset_find(&graph_exec_set, exec_handle) == (size_t)-1 ? INVALID_VALUE : SUCCESS;
     if (!r) r = usable_stream_locked(stream_handle, &s);
     if (!r) {
-        op_t *ops = copy_ops(((graph_t *)exec_handle)->head);
+        op_t *ops = copy_ops(exec_handle->head);
         while (ops) {
             op_t *next = ops->next;
             if (!r) r = submit_locked(s, ops, NULL); else drop_op_locked(ops);
@@ -1303,7 +1511,7 @@ CUresult cuGraphLaunch(void *exec_handle, void *stream_handle) {
 
 /* ---- errors ------------------------------------------------------------------- */
 
-static const struct { int code; const char *name, *text; } error_table[] = {
+static const struct { CUresult code; const char *name, *text; } error_table[] = {
     { SUCCESS, "CUDA_SUCCESS", "no error" },
     { INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument" },
     { OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory" },
@@ -1360,76 +1568,134 @@ CUresult cuGetErrorString(CUresult code, const char **out) {
 /* ---- the resolver cuda.bindings loads everything through ---------------------- */
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version,
-                             unsigned long long flags, int *status);
+                             cuuint64_t flags, CUdriverProcAddressQueryResult *status);
 
 static CUresult cuGetProcAddress_v1(const char *symbol, void **pfn, int cuda_version,
-                                    unsigned long long flags) {
+                                    cuuint64_t flags) {
     return cuGetProcAddress_v2(symbol, pfn, cuda_version, flags, NULL);
 }
 
+/* What cuGetProcAddress hands out: for (name, version) rows, the function of
+ * the highest version at or below the caller's. Each row's function has the
+ * type of cudaTypedefs.h's PFN_<name>_v<version> (checked with the header). */
+#define ENTRY_POINTS(X) \
+    X(cuInit, 2000, cuInit) \
+    X(cuDriverGetVersion, 2020, cuDriverGetVersion) \
+    X(cuGetErrorName, 6000, cuGetErrorName) \
+    X(cuGetErrorString, 6000, cuGetErrorString) \
+    X(cuDeviceGet, 2000, cuDeviceGet) \
+    X(cuDeviceGetCount, 2000, cuDeviceGetCount) \
+    X(cuDeviceGetName, 2000, cuDeviceGetName) \
+    X(cuDeviceGetAttribute, 2000, cuDeviceGetAttribute) \
+    X(cuDevicePrimaryCtxRetain, 7000, cuDevicePrimaryCtxRetain) \
+    X(cuDevicePrimaryCtxRelease, 11000, cuDevicePrimaryCtxRelease) \
+    X(cuDevicePrimaryCtxReset, 11000, cuDevicePrimaryCtxReset_v2) \
+    X(cuCtxGetId, 12000, cuCtxGetId) \
+    X(cuCtxSetCurrent, 4000, cuCtxSetCurrent) \
+    X(cuCtxGetCurrent, 4000, cuCtxGetCurrent) \
+    X(cuCtxPushCurrent, 4000, cuCtxPushCurrent) \
+    X(cuCtxPopCurrent, 4000, cuCtxPopCurrent) \
+    X(cuCtxGetDevice, 2000, cuCtxGetDevice) \
+    X(cuCtxGetDevice, 13000, cuCtxGetDevice_v2) \
+    X(cuCtxSynchronize, 2000, cuCtxSynchronize) \
+    X(cuCtxSynchronize, 13000, cuCtxSynchronize_v2) \
+    X(cuStreamCreate, 2000, cuStreamCreate) \
+    X(cuStreamDestroy, 4000, cuStreamDestroy) \
+    X(cuStreamGetCtx, 9020, cuStreamGetCtx) \
+    X(cuStreamGetCtx, 12050, cuStreamGetCtx_v2) \
+    X(cuStreamQuery, 2000, cuStreamQuery) \
+    X(cuStreamSynchronize, 2000, cuStreamSynchronize) \
+    X(cuStreamWaitEvent, 3020, cuStreamWaitEvent) \
+    X(cuStreamBeginCapture, 10000, cuStreamBeginCapture) \
+    X(cuStreamBeginCapture, 10010, cuStreamBeginCapture_v2) \
+    X(cuStreamEndCapture, 10000, cuStreamEndCapture) \
+    X(cuStreamIsCapturing, 10000, cuStreamIsCapturing) \
+    X(cuStreamGetCaptureInfo, 11030, cuStreamGetCaptureInfo_v2) \
+    X(cuStreamGetCaptureInfo, 12030, cuStreamGetCaptureInfo_v3) \
+    X(cuThreadExchangeStreamCaptureMode, 10010, cuThreadExchangeStreamCaptureMode) \
+    X(cuGraphDestroy, 10000, cuGraphDestroy) \
+    X(cuGraphInstantiateWithFlags, 11040, cuGraphInstantiateWithFlags) \
+    X(cuGraphExecDestroy, 10000, cuGraphExecDestroy) \
+    X(cuGraphLaunch, 10000, cuGraphLaunch) \
+    X(cuEventCreate, 2000, cuEventCreate) \
+    X(cuEventDestroy, 4000, cuEventDestroy) \
+    X(cuEventRecord, 2000, cuEventRecord) \
+    X(cuEventQuery, 2000, cuEventQuery) \
+    X(cuEventSynchronize, 2000, cuEventSynchronize) \
+    X(cuEventElapsedTime, 2000, cuEventElapsedTime) \
+    X(cuEventElapsedTime, 12080, cuEventElapsedTime) /* _v2: the same signature */ \
+    X(cuLaunchHostFunc, 10000, cuLaunchHostFunc) \
+    X(cuLaunchHostFunc, 13020, cuLaunchHostFunc_v2) \
+    X(cuStreamWaitValue32, 8000, cuStreamWaitValue32) \
+    X(cuStreamWriteValue32, 8000, cuStreamWriteValue32) \
+    X(cuMemHostAlloc, 2020, cuMemHostAlloc) \
+    X(cuMemAllocHost, 3020, cuMemAllocHost_v2) \
+    X(cuMemFreeHost, 2000, cuMemFreeHost) \
+    X(cuMemHostGetDevicePointer, 3020, cuMemHostGetDevicePointer_v2) \
+    X(cuMemAlloc, 3020, cuMemAlloc_v2) \
+    X(cuMemFree, 3020, cuMemFree_v2) \
+    X(cuMemAllocAsync, 11020, cuMemAllocAsync) \
+    X(cuMemFreeAsync, 11020, cuMemFreeAsync) \
+    X(cuMemsetD8Async, 3020, cuMemsetD8Async) \
+    X(cuGetProcAddress, 11030, cuGetProcAddress_v1) \
+    X(cuGetProcAddress, 12000, cuGetProcAddress_v2)
+
 static const struct { const char *name; int version; void *fn; } entry_points[] = {
-#define ENTRY(name, version, fn) { name, version, (void *)fn }
-    ENTRY("cuInit", 2000, cuInit),
-    ENTRY("cuDriverGetVersion", 2020, cuDriverGetVersion),
-    ENTRY("cuGetErrorName", 6000, cuGetErrorName),
-    ENTRY("cuGetErrorString", 6000, cuGetErrorString),
-    ENTRY("cuDeviceGet", 2000, cuDeviceGet),
-    ENTRY("cuDeviceGetCount", 2000, cuDeviceGetCount),
-    ENTRY("cuDeviceGetName", 2000, cuDeviceGetName),
-    ENTRY("cuDeviceGetAttribute", 2000, cuDeviceGetAttribute),
-    ENTRY("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain),
-    ENTRY("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease),
-    ENTRY("cuCtxSetCurrent", 4000, cuCtxSetCurrent),
-    ENTRY("cuCtxGetCurrent", 4000, cuCtxGetCurrent),
-    ENTRY("cuCtxPushCurrent", 4000, cuCtxPushCurrent),
-    ENTRY("cuCtxPopCurrent", 4000, cuCtxPopCurrent),
-    ENTRY("cuCtxGetDevice", 2000, cuCtxGetDevice),
-    ENTRY("cuCtxSynchronize", 2000, cuCtxSynchronize),
-    ENTRY("cuStreamCreate", 2000, cuStreamCreate),
-    ENTRY("cuStreamDestroy", 4000, cuStreamDestroy),
-    ENTRY("cuStreamGetCtx", 9020, cuStreamGetCtx),
-    ENTRY("cuStreamGetCtx", 12050, cuStreamGetCtx_v2),
-    ENTRY("cuStreamQuery", 2000, cuStreamQuery),
-    ENTRY("cuStreamSynchronize", 2000, cuStreamSynchronize),
-    ENTRY("cuStreamWaitEvent", 3020, cuStreamWaitEvent),
-    ENTRY("cuStreamBeginCapture", 10000, cuStreamBeginCapture),
-    ENTRY("cuStreamBeginCapture", 10010, cuStreamBeginCapture_v2),
-    ENTRY("cuStreamEndCapture", 10000, cuStreamEndCapture),
-    ENTRY("cuStreamIsCapturing", 10000, cuStreamIsCapturing),
-    ENTRY("cuStreamGetCaptureInfo", 11030, cuStreamGetCaptureInfo_v2),
-    ENTRY("cuStreamGetCaptureInfo", 12030, cuStreamGetCaptureInfo_v3),
-    ENTRY("cuThreadExchangeStreamCaptureMode", 10010, cuThreadExchangeStreamCaptureMode),
-    ENTRY("cuGraphDestroy", 10000, cuGraphDestroy),
-    ENTRY("cuGraphInstantiateWithFlags", 11040, cuGraphInstantiateWithFlags),
-    ENTRY("cuGraphExecDestroy", 10000, cuGraphExecDestroy),
-    ENTRY("cuGraphLaunch", 10000, cuGraphLaunch),
-    ENTRY("cuEventCreate", 2000, cuEventCreate),
-    ENTRY("cuEventDestroy", 4000, cuEventDestroy),
-    ENTRY("cuEventRecord", 2000, cuEventRecord),
-    ENTRY("cuEventQuery", 2000, cuEventQuery),
-    ENTRY("cuEventSynchronize", 2000, cuEventSynchronize),
-    ENTRY("cuEventElapsedTime", 2000, cuEventElapsedTime),
-    ENTRY("cuEventElapsedTime", 12080, cuEventElapsedTime), /* _v2: the same signature */
-    ENTRY("cuLaunchHostFunc", 10000, cuLaunchHostFunc),
-    ENTRY("cuLaunchHostFunc", 13020, cuLaunchHostFunc_v2),
-    ENTRY("cuStreamWaitValue32", 8000, cuStreamWaitValue32),
-    ENTRY("cuStreamWriteValue32", 8000, cuStreamWriteValue32),
-    ENTRY("cuMemHostAlloc", 2020, cuMemHostAlloc),
-    ENTRY("cuMemAllocHost", 3020, cuMemAllocHost),
-    ENTRY("cuMemFreeHost", 2000, cuMemFreeHost),
-    ENTRY("cuMemHostGetDevicePointer", 3020, cuMemHostGetDevicePointer),
-    ENTRY("cuMemAlloc", 3020, cuMemAlloc),
-    ENTRY("cuMemFree", 3020, cuMemFree),
-    ENTRY("cuMemAllocAsync", 11020, cuMemAllocAsync),
-    ENTRY("cuMemFreeAsync", 11020, cuMemFreeAsync),
-    ENTRY("cuMemsetD8Async", 3020, cuMemsetD8Async),
-    ENTRY("cuGetProcAddress", 11030, cuGetProcAddress_v1),
-    ENTRY("cuGetProcAddress", 12000, cuGetProcAddress_v2),
-#undef ENTRY
+#define ROW(name, version, fn) { #name, version, (void *)fn },
+    ENTRY_POINTS(ROW)
+#undef ROW
 };
 
+#ifdef ASYNCFENCE_WITH_CUDA_H
+#if CUDA_VERSION < 13020
+/* cuLaunchHostFunc_v2 came in CUDA 13.2, after this cuda.h: until the header
+ * declares it, its type is the one cuda.bindings 13.x declares (cydriver.pxd). */
+typedef CUresult (CUDAAPI *PFN_cuLaunchHostFunc_v13020)(CUstream hStream, CUhostFn fn, void *userData,
+                                                        unsigned int syncMode);
+#endif
+
+/* The other PFN types a caller may call these functions through: a row's
+ * function is handed out for every version up to the next row's (so for 11.7's
+ * cuStreamWaitValue32_v2 and cuStreamWriteValue32_v2, of the same types as the
+ * v1 forms), and for the per-thread-default-stream lookups too (the driver's
+ * _ptsz variants). */
+#define OTHER_TYPES(X) \
+    X(PFN_cuStreamWaitValue32_v11070, cuStreamWaitValue32) \
+    X(PFN_cuStreamWriteValue32_v11070, cuStreamWriteValue32) \
+    X(PFN_cuStreamGetCtx_v9020_ptsz, cuStreamGetCtx) \
+    X(PFN_cuStreamGetCtx_v12050_ptsz, cuStreamGetCtx_v2) \
+    X(PFN_cuStreamQuery_v7000_ptsz, cuStreamQuery) \
+    X(PFN_cuStreamSynchronize_v7000_ptsz, cuStreamSynchronize) \
+    X(PFN_cuStreamWaitEvent_v7000_ptsz, cuStreamWaitEvent) \
+    X(PFN_cuStreamBeginCapture_v10000_ptsz, cuStreamBeginCapture) \
+    X(PFN_cuStreamBeginCapture_v10010_ptsz, cuStreamBeginCapture_v2) \
+    X(PFN_cuStreamEndCapture_v10000_ptsz, cuStreamEndCapture) \
+    X(PFN_cuStreamIsCapturing_v10000_ptsz, cuStreamIsCapturing) \
+    X(PFN_cuStreamGetCaptureInfo_v11030_ptsz, cuStreamGetCaptureInfo_v2) \
+    X(PFN_cuStreamGetCaptureInfo_v12030_ptsz, cuStreamGetCaptureInfo_v3) \
+    X(PFN_cuGraphLaunch_v10000_ptsz, cuGraphLaunch) \
+    X(PFN_cuEventRecord_v7000_ptsz, cuEventRecord) \
+    X(PFN_cuLaunchHostFunc_v10000_ptsz, cuLaunchHostFunc) \
+    X(PFN_cuStreamWaitValue32_v8000_ptsz, cuStreamWaitValue32) \
+    X(PFN_cuStreamWaitValue32_v11070_ptsz, cuStreamWaitValue32) \
+    X(PFN_cuStreamWriteValue32_v8000_ptsz, cuStreamWriteValue32) \
+    X(PFN_cuStreamWriteValue32_v11070_ptsz, cuStreamWriteValue32) \
+    X(PFN_cuMemAllocAsync_v11020_ptsz, cuMemAllocAsync) \
+    X(PFN_cuMemFreeAsync_v11020_ptsz, cuMemFreeAsync) \
+    X(PFN_cuMemsetD8Async_v7000_ptsz, cuMemsetD8Async)
+
+/* A mismatch is a compile error, whatever the warning flags. */
+#define CHECK_TYPE(pfn, fn) \
+    _Static_assert(_Generic(&(fn), pfn: 1, default: 0), #fn " does not match " #pfn " of cudaTypedefs.h");
+#define CHECK_ROW(name, version, fn) CHECK_TYPE(PFN_##name##_v##version, fn)
+ENTRY_POINTS(CHECK_ROW)
+OTHER_TYPES(CHECK_TYPE)
+#undef CHECK_ROW
+#undef CHECK_TYPE
+#endif
+
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version,
-                             unsigned long long flags, int *status) {
+                             cuuint64_t flags, CUdriverProcAddressQueryResult *status) {
     if (!symbol || !pfn) return INVALID_VALUE;
     /* The per-thread-default-stream variants resolve to the same functions, which
      * then treat handle 0 as the per-thread default stream (as _ptsz ones do). */
@@ -1441,33 +1707,40 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version,
     /* As the real driver: a version above its own is refused outright. */
     if (cuda_version > driver_version()) {
         *pfn = NULL;
-        if (status) *status = 2; /* CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT */
+        if (status) *status = PROC_VERSION_NOT_SUFFICIENT;
         return INVALID_VALUE;
     }
     /* ASYNCFENCE_EMULATED_HIDE names one entry point to leave out, as an old driver would. */
     const char *hidden = getenv("ASYNCFENCE_EMULATED_HIDE");
-    if (hidden && strcmp(hidden, symbol) == 0) {
-        *pfn = NULL;
-        if (status) *status = 1;
-        return NOT_FOUND;
-    }
+    int is_hidden = hidden && strcmp(hidden, symbol) == 0;
     void *best = NULL;
     int best_version = -1;
-    for (size_t i = 0; i < sizeof entry_points / sizeof *entry_points; i++) {
+    for (size_t i = 0; !is_hidden && i < sizeof entry_points / sizeof *entry_points; i++) {
         if (strcmp(entry_points[i].name, symbol) == 0 && entry_points[i].version <= cuda_version &&
             entry_points[i].version > best_version) {
             best = entry_points[i].fn;
             best_version = entry_points[i].version;
         }
     }
+    /* As the real driver: a symbol it lacks is a success with a null pointer,
+     * and the status says CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND. */
     *pfn = best;
-    if (status) *status = best ? 0 : 1; /* CU_GET_PROC_ADDRESS_SUCCESS / SYMBOL_NOT_FOUND */
-    return best ? SUCCESS : NOT_FOUND;
+    if (status) *status = best ? PROC_FOUND : PROC_SYMBOL_NOT_FOUND;
+    return SUCCESS;
 }
 
 /* ---- test hooks ----------------------------------------------------------------- */
 
 int emu_is_emulated(void) { return 1; }
+
+/* 1 where compiled against the toolkit's cuda.h (ASYNCFENCE_WITH_CUDA_H), else 0. */
+int emu_built_with_cuda_h(void) {
+#ifdef ASYNCFENCE_WITH_CUDA_H
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Hold a stream: work queued after the gate waits until emu_release(gate). */
 void *emu_hold(void *stream_handle) {

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, SupportsInt, cast
 
 from ... import _fork
 from ..._exceptions import DeviceError, DriverNotFoundError
+from ..._validation import type_name
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -137,7 +138,7 @@ def _initialise(needed_for: str) -> ModuleType:
         raise DriverNotFoundError(
             f"the NVIDIA driver (libcuda.so.1) was not found: {needed_for} need an "
             "NVIDIA GPU with its driver installed; without one, use OpenCL "
-            "(pip install 'asyncfence[opencl]')"
+            "(its opencl extra: pip install -e '.[opencl]' in a checkout)"
         ) from missing
     if err != drv.CUresult.CUDA_SUCCESS:
         raise device_error(drv, err, "cuInit failed")
@@ -259,7 +260,7 @@ def cuda_stream_handle(stream: object) -> int:
     """
     if isinstance(stream, bool):
         raise TypeError(f"expected {ACCEPTS}; got bool")
-    kind = type(stream).__qualname__
+    kind = type_name(stream)
     if isinstance(stream, int):
         handle: object = stream
         source = "the handle given"
@@ -282,7 +283,7 @@ def cuda_stream_handle(stream: object) -> int:
             handle = operator.index(handle)  # type: ignore[arg-type]
         except TypeError:
             raise TypeError(
-                f"a CUDA stream handle must be an int, got {type(handle).__qualname__} "
+                f"a CUDA stream handle must be an int, got {type_name(handle)} "
                 f"{handle!r} from {source}"
             ) from None
     assert isinstance(handle, int)
@@ -313,19 +314,19 @@ def _protocol_handle(stream: object) -> object:
     given = protocol() if callable(protocol) else protocol
     if not isinstance(given, tuple) or len(given) != 2:
         raise TypeError(
-            f"{type(stream).__qualname__}.__cuda_stream__ must give a (version, handle) "
+            f"{type_name(stream)}.__cuda_stream__ must give a (version, handle) "
             f"tuple of two ints, got {given!r}"
         )
     version, handle = given
     if isinstance(version, bool) or not isinstance(version, int):
         raise TypeError(
             f"the __cuda_stream__ protocol version must be an int, got {version!r} "
-            f"from {type(stream).__qualname__}"
+            f"from {type_name(stream)}"
         )
     if version != 0:
         raise ValueError(
             f"unsupported __cuda_stream__ protocol version {version} from "
-            f"{type(stream).__qualname__} (asyncfence speaks version 0)"
+            f"{type_name(stream)} (asyncfence speaks version 0)"
         )
     return handle
 

@@ -3,8 +3,9 @@
 Streams come from anywhere: cuda.core, PyTorch, CuPy, numba-cuda, cuda.bindings,
 or a raw handle. Fences are never recorded inside a CUDA graph capture (an
 event recorded there belongs to the graph and never completes), and the
-default streams of a stream object that names its device work from any thread:
-that device's primary context is made current around the calls that need one.
+streams work from any thread: the stream's context (for a default stream, the
+primary context of the device its object names) is made current around every
+call that queues work.
 Completion signals run on side streams that wait for the fence's event, so the
 user's stream is never held by a signal.
 """
@@ -82,7 +83,10 @@ def _thread_number() -> int:
 
 
 def _queue_key(context: int, handle: int) -> tuple[int, ...]:
-    """The key of the in-order queue that a record on ``handle`` in ``context`` joins.
+    """The key of the in-order queue that a record on ``handle`` joins.
+
+    ``context`` is the context's id, never reused (unlike its address, which
+    a context made after a reset may share).
 
     The default-stream handles name the stream they mean: 0 is the legacy
     default stream (1), or in per-thread mode the calling thread's per-thread
@@ -133,7 +137,11 @@ class CudaBackend(Backend[_CudaMarker]):
     default_rank = 0  # a GPU, where one is present
 
     def __init__(self) -> None:
+        # Keyed by context id (cuCtxGetId): a context reset (cuDevicePrimaryCtxReset,
+        # numba's cuda.close()) destroys its events and streams, and the context
+        # after it may have the same address but never the same id.
         self._pools: dict[int, deque[Any]] = {}
+        self._context_ids: dict[int, int] = {}  # the latest id seen at each address
         self._pools_lock = threading.Lock()
         # Primary contexts by device ordinal, retained once for the process.
         self._primary: dict[int, int] = {}
@@ -157,20 +165,74 @@ class CudaBackend(Backend[_CudaMarker]):
         drv = driver()
         return (drv, *as_cu_stream(drv, stream))
 
-    def _enter_device(self, drv: ModuleType, stream: object, handle: int) -> bool:
-        """Make a default stream's own device current, where its object names one.
+    def _enter_stream_context(
+        self, drv: ModuleType, stream: object, cu_stream: Any, handle: int
+    ) -> tuple[tuple[int, int], bool]:
+        """Make the stream's context current for the calls that queue work on it.
 
-        A default-stream handle (0, 1, 2) means "of the current context", and
-        a thread where the library did no work of its own may have none
-        (PyTorch makes its primary context current only there), or that of
-        another device. The primary context of the device the object names is
-        then pushed. Other streams need no current context.
+        ``cuda.h`` lists ``CUDA_ERROR_INVALID_CONTEXT`` for ``cuEventRecord``
+        and ``cuStreamWaitEvent``: they need a current context, and the
+        calling thread may have none (one where the library did no work of
+        its own: PyTorch makes its primary context current only there) or
+        another. A stream of its own knows its context; a default-stream
+        handle (0, 1, 2) means "of the current context", so the primary
+        context of the device its object names is made current first.
+
+        Returns:
+            The stream's context (its handle and its id), and whether one was
+            pushed (the caller pops it with :func:`pop_context`, also when
+            this raises later).
+
+        Raises:
+            DeviceError: The stream's context cannot be found or made current.
+        """
+        pushed = False
+        if handle <= PER_THREAD_DEFAULT_STREAM:
+            pushed = self._enter_device(drv, stream)
+        try:
+            context = self._stream_context(drv, cu_stream, handle)
+            if not pushed:
+                pushed = push_context(drv, context, "the stream's")
+            identity = self._context_id(drv, context)
+        except BaseException:
+            if pushed:
+                pop_context(drv)
+            raise
+        return (context, identity), pushed
+
+    def _context_id(self, drv: ModuleType, context: int) -> int:
+        """The context's id; a new id at a known address drops what the old one left.
+
+        Per-context state (the event pool, the side streams) is keyed by the
+        id. A reset destroyed the old context's events and streams: they are
+        forgotten, never destroyed again nor reused.
+        """
+        err, identity = drv.cuCtxGetId(drv.CUcontext(context))
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise device_error(drv, err, "cuCtxGetId failed")
+        identity = int(identity)
+        previous = self._context_ids.get(context)
+        if previous != identity:
+            self._context_ids[context] = identity
+            if previous is not None:
+                self._forget_context(previous)
+        return identity
+
+    def _forget_context(self, identity: int) -> None:
+        """Drop the pool and side streams of the context ``identity``: a reset destroyed them."""
+        with self._pools_lock:
+            self._pools.pop(identity, None)
+        with self._side_lock:
+            stale = [k for k in self._side_streams if isinstance(k, tuple) and k[0] == identity]
+            for key in stale:
+                del self._side_streams[key]
+
+    def _enter_device(self, drv: ModuleType, stream: object) -> bool:
+        """Make the device a default stream's object names current, unless it is.
 
         Returns:
             Whether a context was pushed (the caller pops it).
         """
-        if handle > PER_THREAD_DEFAULT_STREAM:
-            return False
         ordinal = stream_device(stream)
         if ordinal is None:
             return False
@@ -267,11 +329,10 @@ class CudaBackend(Backend[_CudaMarker]):
             DeviceError: The driver refused the stream or the record.
         """
         drv, cu_stream, handle = self._cu_stream(stream)
-        pushed = self._enter_device(drv, stream, handle)
+        (context, identity), pushed = self._enter_stream_context(drv, stream, cu_stream, handle)
         try:
-            context = self._stream_context(drv, cu_stream, handle)
             self._refuse_capture(drv, cu_stream, "record a fence on")
-            pool = self._pool(context)
+            pool = self._pool(identity)
             try:
                 event = pool.pop()
             except IndexError:
@@ -284,7 +345,7 @@ class CudaBackend(Backend[_CudaMarker]):
             pool.append(event)
             raise device_error(drv, err, "cuEventRecord failed")
         marker = _CudaMarker(event, context, pool, next(self._orders))
-        return marker, QueueInfo(_queue_key(context, handle))
+        return marker, QueueInfo(_queue_key(identity, handle))
 
     def query(self, marker: _CudaMarker) -> bool:
         drv = driver()
@@ -311,9 +372,8 @@ class CudaBackend(Backend[_CudaMarker]):
         # (cuStreamWaitEvent works across contexts and devices). A capturing
         # stream is refused: a wait for uncaptured work would invalidate it.
         drv, cu_stream, handle = self._cu_stream(stream)
-        pushed = self._enter_device(drv, stream, handle)
+        _, pushed = self._enter_stream_context(drv, stream, cu_stream, handle)
         try:
-            self._stream_context(drv, cu_stream, handle)
             self._refuse_capture(drv, cu_stream, "make a fence wait on")
         finally:
             if pushed:
@@ -321,7 +381,7 @@ class CudaBackend(Backend[_CudaMarker]):
 
     def stream_wait(self, marker: _CudaMarker, origin: QueueInfo, stream: object) -> None:
         drv, cu_stream, handle = self._cu_stream(stream)
-        pushed = self._enter_device(drv, stream, handle)
+        _, pushed = self._enter_stream_context(drv, stream, cu_stream, handle)
         try:
             (err,) = drv.cuStreamWaitEvent(cu_stream, marker.event, 0)
         finally:
@@ -334,7 +394,9 @@ class CudaBackend(Backend[_CudaMarker]):
         """A side stream of the stream ``key`` free to wait for a fence of ``order``.
 
         The caller holds ``_side_lock`` until it has queued its work on the
-        lane, so that no other thread evicts and destroys it in between.
+        lane, so that no other thread evicts and destroys it in between, and
+        has made the fence's context (``context``) current: a new lane is
+        made in it.
 
         Returns:
             ``None`` if every lane already waits for a newer fence.
@@ -355,12 +417,8 @@ class CudaBackend(Backend[_CudaMarker]):
             return max(usable, key=lambda lane: lane.last_order)
         if len(lanes) == _LANES_PER_STREAM:
             return None
-        check(drv.cuCtxPushCurrent(drv.CUcontext(context)), "cuCtxPushCurrent")
-        try:
-            flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
-            lane = _Lane(check(drv.cuStreamCreate(flags), "cuStreamCreate"))
-        finally:
-            drv.cuCtxPopCurrent()
+        flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+        lane = _Lane(check(drv.cuStreamCreate(flags), "cuStreamCreate"))
         lanes.append(lane)
         return lane
 
@@ -388,16 +446,36 @@ class CudaBackend(Backend[_CudaMarker]):
             return False
         drv = driver()
         with self._side_lock:
-            lane = self._lane(drv, queue.key, marker.context, marker.order)
-            if lane is None:
-                return False
-            check(drv.cuStreamWaitEvent(lane.stream, marker.event, 0), "cuStreamWaitEvent")
-            err = launcher.launch(int(lane.stream), signal.host_function, signal.argument)
-            if err == drv.CUresult.CUDA_SUCCESS:
-                lane.last_order = marker.order
+            # The wait and the launch queue work: they need the fence's context
+            # current, and the arming thread (the loop's) may have none.
+            pushed = push_context(drv, marker.context, "the fence's")
+            try:
+                lane = self._lane(drv, queue.key, marker.context, marker.order)
+                if lane is None:
+                    return False
+                check(drv.cuStreamWaitEvent(lane.stream, marker.event, 0), "cuStreamWaitEvent")
+                err = launcher.launch(int(lane.stream), signal.host_function, signal.argument)
+                if err == drv.CUresult.CUDA_SUCCESS:
+                    lane.last_order = marker.order
+            finally:
+                if pushed:
+                    pop_context(drv)
         if err != drv.CUresult.CUDA_SUCCESS:
             raise device_error(drv, err, f"cuLaunchHostFunc ({launcher.path}) failed")
         return True
+
+    def warm_up(self, stream: object) -> None:
+        """The driver, the host-function entry point, an event pooled in its context."""
+        drv, cu_stream, handle = self._cu_stream(stream)
+        self.host_functions()
+        (context, identity), pushed = self._enter_stream_context(drv, stream, cu_stream, handle)
+        try:
+            pool = self._pool(identity)
+            if not pool:
+                pool.append(self._create_event(drv, context))
+        finally:
+            if pushed:
+                pop_context(drv)
 
     def runtime_initialised(self) -> bool:
         if _driver.loaded_driver() is not None:
