@@ -22,6 +22,7 @@ from ._exceptions import DriverNotFoundError as DriverNotFoundError
 from ._exceptions import FenceError as FenceError
 from ._fence import Fence as Fence
 from ._fence import record as record
+from ._fence import warm_up as warm_up
 from ._poller import PollerStatistics as PollerStatistics
 from ._poller import current_statistics as current_statistics
 from ._staging import StagingPool as StagingPool
@@ -45,6 +46,7 @@ __all__ = (
     "configure",
     "current_statistics",
     "record",
+    "warm_up",
 )
 
 __version__ = "0.1.0"

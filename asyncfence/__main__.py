@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if arguments and arguments[0] in _LAB_COMMANDS:
         return _run_lab(arguments)
     parser = argparse.ArgumentParser(prog="python -m asyncfence", description=_DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"asyncfence {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"asyncfence {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "demo",

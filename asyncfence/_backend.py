@@ -21,7 +21,11 @@ Adding a backend:
 2. Register an instance: one line in ``asyncfence/_backends/__init__.py``,
    ``register_backend(MyBackend())``. :func:`backend_for`, the default
    device, the pytest plugin's ``--fence-device`` choices and the command
-   line's ``--device`` choices all read the registry.
+   line's ``--device`` choices all read the registry. A backend whose
+   streams have no device of their own to open or hold (torch's CPU
+   streams, whose work is done when the call returns) registers with
+   ``devices=False``: it records and waits as any other, and stays out of
+   the device choices and :func:`backend_statistics`.
 3. The generic fence tests (``tests/test_fence.py``) run on every registered
    backend; ``tests/fake_backend.py`` is a whole backend in one file,
    registered by the tests' ``conftest.py`` with that one line.
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from . import _fork
+from ._validation import type_name
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
@@ -183,6 +188,10 @@ class Backend(Protocol[MarkerT]):
     accepts: str
     #: Where :func:`asyncfence.testing.open_default_device` looks first: lower first.
     default_rank: int
+    #: Whether a forked child may record where its parent did: the backend
+    #: keeps no runtime state a child could inherit (torch's CPU streams).
+    #: Otherwise a backend the parent used is refused in the child.
+    fork_safe: bool = False
 
     def claims(self, stream: object) -> bool:
         """Whether ``stream`` is one of this backend's stream objects (by its type only)."""
@@ -269,6 +278,18 @@ class Backend(Protocol[MarkerT]):
         """Its devices and test gates."""
         ...
 
+    def warm_up(self, stream: object) -> None:
+        """Load now what the first record and parked wait on ``stream`` would load.
+
+        Driver libraries, entry points, a pooled marker: whatever would
+        otherwise block a running loop the first time. Blocks; never called
+        on a loop by asyncfence. By default there is nothing to load.
+
+        Raises:
+            DeviceError: The runtime refused; as a record would.
+        """
+        return None  # noqa: RET501 (a body: a default, not an abstract member)
+
     def runtime_initialised(self) -> bool:
         """Whether this process has initialised the runtime, through asyncfence or not.
 
@@ -281,10 +302,20 @@ class Backend(Protocol[MarkerT]):
 
 _backends: list[Backend[Any]] = []
 _by_type: dict[type, Backend[Any]] = {}
+# The names of the backends registered with devices=False.
+_deviceless: set[str] = set()
 
 
-def register_backend(backend: Backend[Any]) -> None:
+def register_backend(backend: Backend[Any], *, devices: bool = True) -> None:
     """Add a backend that :func:`backend_for` will consult, in order.
+
+    Args:
+        backend: The backend.
+        devices: Whether it has devices to open and streams to hold (its
+            :meth:`Backend.lab`). ``False`` keeps it out of
+            :func:`backend_names`, :func:`backend_named` and
+            :func:`backend_statistics`: the default device, the pytest
+            plugin's and the command line's device choices.
 
     Raises:
         ValueError: A backend of that name is registered already.
@@ -292,6 +323,8 @@ def register_backend(backend: Backend[Any]) -> None:
     if any(known.name == backend.name for known in _backends):
         raise ValueError(f"a backend named {backend.name!r} is registered already")
     _backends.append(backend)
+    if not devices:
+        _deviceless.add(backend.name)
     _by_type.clear()
     _fork.watch_runtime(backend.name, backend.runtime_initialised)
 
@@ -299,22 +332,28 @@ def register_backend(backend: Backend[Any]) -> None:
 def unregister_backend(name: str) -> None:
     """Remove the backend ``name`` (tests register and remove their own)."""
     _backends[:] = [backend for backend in _backends if backend.name != name]
+    _deviceless.discard(name)
     _by_type.clear()
     _fork.unwatch_runtime(name)
 
 
+def _device_backends() -> list[Backend[Any]]:
+    return [backend for backend in _backends if backend.name not in _deviceless]
+
+
 def backend_names() -> tuple[str, ...]:
-    """The names of the registered backends, in default-device order."""
-    return tuple(backend.name for backend in sorted(_backends, key=lambda b: b.default_rank))
+    """The names of the registered device backends, in default-device order."""
+    ranked = sorted(_device_backends(), key=lambda b: b.default_rank)
+    return tuple(backend.name for backend in ranked)
 
 
 def backend_named(name: str) -> Backend[Any]:
-    """The registered backend ``name``.
+    """The registered device backend ``name``.
 
     Raises:
-        ValueError: No backend of that name; the message lists them.
+        ValueError: No device backend of that name; the message lists them.
     """
-    for backend in _backends:
+    for backend in _device_backends():
         if backend.name == name:
             return backend
     known = ", ".join(map(repr, backend_names()))
@@ -324,9 +363,12 @@ def backend_named(name: str) -> Backend[Any]:
 def backend_statistics() -> tuple[BackendStatistics, ...]:
     """A snapshot of every device backend: the markers and streams each holds.
 
+    Backends without devices (torch's CPU streams) hold nothing and are left
+    out.
+
     Thread-safety: safe to call from any thread.
     """
-    return tuple(backend.statistics() for backend in _backends)
+    return tuple(backend.statistics() for backend in _device_backends())
 
 
 def backend_for(stream: object) -> Backend[Any]:
@@ -345,4 +387,4 @@ def backend_for(stream: object) -> Backend[Any]:
             _by_type[kind] = backend  # claims depends on the type only (see above)
             return backend
     accepted = "; or ".join(b.accepts for b in _backends)
-    raise TypeError(f"expected a device stream ({accepted}); got {kind.__qualname__} object")
+    raise TypeError(f"expected a device stream ({accepted}); got {type_name(stream)} object")

@@ -15,6 +15,7 @@ __all__ = [
     "STRATEGIES",
     "Config",
     "Strategy",
+    "check_seconds",
     "check_strategy",
     "check_timeout",
     "configure",
@@ -140,6 +141,16 @@ def _finite_seconds(name: str, value: object, *, allow_zero: bool) -> float:
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
     return seconds
+
+
+def check_seconds(name: str, value: object) -> float:
+    """Validate ``name``, a finite number of seconds, zero or more.
+
+    Raises:
+        TypeError: Not a real number.
+        ValueError: Negative, NaN or infinite.
+    """
+    return _finite_seconds(name, value, allow_zero=True)
 
 
 def check_timeout(timeout: object) -> float:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, final
 from . import _fork
 from ._backend import backend_for
 from ._exceptions import DeviceError, FenceError
+from ._validation import type_name
 
 if TYPE_CHECKING:
     from ._backend import Backend, NativeSignal, QueueInfo
@@ -201,7 +202,7 @@ class FenceCore:
         if not backend.claims(stream):
             raise TypeError(
                 f"{backend.title} fences can only be waited on by "
-                f"{backend.accepts}; got {type(stream).__qualname__} object"
+                f"{backend.accepts}; got {type_name(stream)} object"
             )
         # Whatever the fence's state: whether a program errors must not
         # depend on how fast the device was.
@@ -234,5 +235,6 @@ def record_core(stream: object) -> FenceCore:
     with _record_locks[hash(backend.stream_key(stream)) % _RECORD_STRIPES]:
         marker, queue = backend.record(stream)
         seq = next(_sequence)
-    _fork.note_used(backend.name)
+    if not backend.fork_safe:  # a runtime that does not survive fork()
+        _fork.note_used(backend.name)
     return FenceCore(backend, marker, queue, seq)

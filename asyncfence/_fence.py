@@ -12,9 +12,11 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, final
 
+from ._backend import backend_for
 from ._config import Strategy, check_strategy, check_timeout, current_config
 from ._core import DONE, FAILED, PENDING, FenceCore, record_core
 from ._loops import current_driver
+from ._native import shim
 from ._poller import poller_of
 
 if TYPE_CHECKING:
@@ -56,6 +58,20 @@ class Fence:
         fence = object.__new__(cls)
         fence._core = core
         return fence
+
+    def __reduce__(self) -> Any:
+        # A fence is a point on a stream of this process's device runtime: it
+        # means nothing in another process, so it never travels there.
+        raise TypeError(
+            "a Fence cannot be pickled: it belongs to the process that recorded it "
+            "(record a fence in the process that waits, or send the result instead)"
+        )
+
+    def __copy__(self) -> Self:
+        return self  # a handle to one point on a stream: a copy is the same fence
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+        return self
 
     def __repr__(self) -> str:
         return repr(self._core)
@@ -199,12 +215,16 @@ def record(stream: object) -> Fence:
 
     Args:
         stream: A stream of a registered backend: a ``pyopencl.CommandQueue``,
-            or a CUDA stream (an object with ``__cuda_stream__``, a CuPy or
-            numba-cuda stream, or a raw handle).
+            a CUDA stream (an object with ``__cuda_stream__``, a CuPy or
+            numba-cuda stream, or a raw handle), or one of torch's CPU
+            streams (``torch.cpu.Stream``, as
+            ``torch.get_device_module("cpu").current_stream()`` gives).
 
     Returns:
         A fence that completes once the device has passed all work queued on
-        ``stream`` before this call.
+        ``stream`` before this call. On a torch CPU stream that work ran when
+        it was queued: the fence is done already, and awaiting it is still a
+        checkpoint.
 
     Raises:
         TypeError: ``stream`` is not a stream any backend accepts; the message
@@ -216,6 +236,36 @@ def record(stream: object) -> Fence:
     any loop.
     """
     return Fence._of(record_core(stream))
+
+
+def warm_up(*streams: object) -> None:
+    """Load now what the first record and the first parked wait would load.
+
+    The native wake shim is loaded when asyncfence is imported; a CUDA
+    stream's first record would import ``cuda.bindings`` and initialise the
+    driver, and its first parked wait resolve the driver's host-function
+    entry point, each a blocking call that a running loop should not make
+    (tools such as blockbuster fail it). Call this before the loop runs, or
+    in a server's startup off the loop::
+
+        await anyio.to_thread.run_sync(asyncfence.warm_up, stream)
+
+    Args:
+        *streams: Streams of any registered backend, as :func:`record` takes
+            them; each backend loads what its first use on that stream needs
+            (for CUDA: the driver, the host-function entry point, and an event
+            pooled in the stream's context). None: the shim only.
+
+    Raises:
+        TypeError: A stream is not one any backend accepts.
+        DeviceError: The runtime refused, as a record would.
+        DriverNotFoundError: A CUDA stream, and no NVIDIA driver.
+
+    Thread-safety: any thread. It blocks: never call it on a running loop.
+    """
+    shim()
+    for stream in streams:
+        backend_for(stream).warm_up(stream)
 
 
 def cores_of(fence_or_fences: object) -> list[FenceCore]:

@@ -261,3 +261,9 @@ class NativeMailbox:
             count = take(*self._take_arguments)
             taken += self._tokens[:count]
         return taken
+
+
+# Loaded as asyncfence is imported, off any loop: loading stats and maps a
+# file, which would block a running loop at its first park. Should it fail
+# for now (no file descriptor free), the first park tries again.
+shim()

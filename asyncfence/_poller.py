@@ -27,7 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
-from ._config import current_config
+from ._config import check_seconds, current_config
 from ._core import PENDING
 from ._fenceset import FenceSet
 from ._loops import current_driver, existing_driver
@@ -74,6 +74,10 @@ WakePath = Literal["native", "polling"]
 _shim_warned = False
 _shim_warned_lock = threading.Lock()
 
+# The clock of the fences' ages, whatever the loop (asyncio's loop clock is
+# this one; trio's is its own): a module attribute so that tests can set it.
+_clock = time.monotonic
+
 
 @dataclass(frozen=True, slots=True)
 class PollerStatistics:
@@ -97,6 +101,19 @@ class PollerStatistics:
         armed: Parked fences whose completion signal is armed.
         signals: Completion signals received.
         rechecks: Periodic re-checks of the parked fences.
+        oldest_pending_age: Seconds since a wait on this loop (a task's, or a
+            drop queue's) first awaited the oldest of the pending fences;
+            ``None`` with none pending. A fence stuck on the device (a hung
+            kernel, a lost signal) shows here, growing, while everything
+            else on the loop still answers.
+        oldest_parked_age: The same, for the oldest of the parked fences;
+            ``None`` with none parked.
+        stuck_fences: Pending fences first awaited more than ``stuck_after``
+            seconds ago, where :func:`current_statistics` was given
+            ``stuck_after``; otherwise ``None``.
+
+    Ages are measured on :func:`time.monotonic`'s clock (asyncio's loop
+    clock; not trio's, which is its own), whatever loop runs.
     """
 
     pending_fences: int = 0
@@ -111,6 +128,24 @@ class PollerStatistics:
     armed: int = 0
     signals: int = 0
     rechecks: int = 0
+    oldest_pending_age: float | None = None
+    oldest_parked_age: float | None = None
+    stuck_fences: int | None = None
+
+
+class _Waits(dict["Waiter", "Strategy"]):
+    """The waits on one fence, and when the first of them began (``time.monotonic()``).
+
+    A fence's entry is made when it gains its first wait and dropped when it
+    has none left, so a poller's entries are in the order of their ``since``:
+    the oldest pending fence is the first, at no cost on the wake path.
+    """
+
+    __slots__ = ("since",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.since = _clock()
 
 
 class Poller:
@@ -121,7 +156,8 @@ class Poller:
 
     def __init__(self, driver: LoopDriver) -> None:
         self.driver = driver
-        self._waiters: dict[FenceCore, dict[Waiter, Strategy]] = {}
+        # In the order of each fence's first wait (see _Waits).
+        self._waiters: dict[FenceCore, _Waits] = {}
         self._waiter_count = 0
         # Fences with at least one "poll" waiter: polled for as long as they wait.
         self._eager: dict[FenceCore, int] = {}
@@ -144,7 +180,10 @@ class Poller:
         Where a fence cannot be parked, it is polled instead: the wait is
         slower, never lost.
         """
-        self._waiters.setdefault(fence, {})[waiter] = strategy
+        waits = self._waiters.get(fence)
+        if waits is None:
+            waits = self._waiters[fence] = _Waits()
+        waits[waiter] = strategy
         self._waiter_count += 1
         if strategy == "park":
             if self._park(fence):
@@ -274,9 +313,32 @@ class Poller:
         self._next_sleep = min(delay * 2, cap)
         return delay
 
-    def statistics(self) -> PollerStatistics:
-        """Return a snapshot of this loop's waits and counters."""
+    def statistics(self, stuck_after: float | None = None) -> PollerStatistics:
+        """Return a snapshot of this loop's waits and counters.
+
+        The oldest pending fence is found at once; the oldest parked one and
+        the stuck ones by walking the pending fences from the oldest, only as
+        far as needed.
+
+        Args:
+            stuck_after: Count the pending fences first awaited more than
+                this many seconds ago (validated by the caller).
+        """
         parking = self._parking
+        now = _clock()
+        oldest = next(iter(self._waiters.values()), None)
+        oldest_parked = None
+        if parking is not None and len(parking):
+            oldest_parked = next(
+                (waits for fence, waits in self._waiters.items() if fence in parking), None
+            )
+        stuck = None
+        if stuck_after is not None:
+            stuck = 0
+            for waits in self._waiters.values():
+                if now - waits.since <= stuck_after:
+                    break  # and so every later one, first awaited later still
+                stuck += 1
         return PollerStatistics(
             pending_fences=len(self._waiters),
             waiters=self._waiter_count,
@@ -290,6 +352,9 @@ class Poller:
             armed=0 if parking is None else parking.armed,
             signals=0 if parking is None else parking.signals,
             rechecks=0 if parking is None else parking.rechecks,
+            oldest_pending_age=None if oldest is None else now - oldest.since,
+            oldest_parked_age=None if oldest_parked is None else now - oldest_parked.since,
+            stuck_fences=stuck,
         )
 
 
@@ -372,6 +437,10 @@ class _Parking:
     def __len__(self) -> int:
         # Not counting the fences woken whose rest of the wake has not run yet.
         return len(self._parked) - sum(1 for fence in self._fired if self._woken(fence))
+
+    def __contains__(self, fence: object) -> bool:
+        """Whether ``fence`` is parked (a woken one whose wake has not finished, too)."""
+        return fence in self._parked
 
     def _woken(self, fence: FenceCore) -> bool:
         """Whether ``fence`` is parked with no wait left on it (its waiters woken or gone)."""
@@ -630,12 +699,33 @@ def current_poller() -> Poller:
     return poller_of(current_driver())
 
 
-def current_statistics() -> PollerStatistics:
+def current_statistics(*, stuck_after: float | None = None) -> PollerStatistics:
     """Return a snapshot of the running loop's waits.
+
+    The ages of the oldest pending and parked fences cost nothing to keep (a
+    timestamp when a fence is first awaited); a health check reads them, or
+    counts the fences pending too long with ``stuck_after``, in one call per
+    check::
+
+        stats = asyncfence.current_statistics(stuck_after=30.0)
+        healthy = not stats.stuck_fences
+
+    Args:
+        stuck_after: Also count, in ``stuck_fences``, the pending fences first
+            awaited more than this many seconds ago. That walks the pending
+            fences from the oldest, as far as the first younger one. ``None``
+            (the default) counts nothing and leaves ``stuck_fences`` ``None``.
 
     Raises:
         RuntimeError: Called outside an asyncio or trio event loop.
+        TypeError: ``stuck_after`` is not a number.
+        ValueError: ``stuck_after`` is negative, NaN or infinite.
+
+    Thread-safety: the running loop's thread only, like the poller it reads.
     """
+    bound = None if stuck_after is None else check_seconds("stuck_after", stuck_after)
     driver = existing_driver()
     poller = None if driver is None else driver.poller
-    return PollerStatistics() if poller is None else cast("Poller", poller).statistics()
+    if poller is None:
+        return PollerStatistics(stuck_fences=None if bound is None else 0)
+    return cast("Poller", poller).statistics(bound)

@@ -16,6 +16,16 @@ Fixtures:
   stream (``held_stream.stream``): work queued on it waits until the test calls
   ``held_stream.release()``, so "work still running" is deterministic. Released
   at teardown if the test did not.
+* ``torch_stream``: a fresh PyTorch stream, a ``torch.cuda.Stream`` on CUDA
+  device 0 where PyTorch sees a GPU, else a ``torch.cpu.Stream`` (CPU-only
+  PyTorch: a fence on it is done when recorded). Skips where PyTorch is not
+  installed.
+* ``cuda_core_stream``: a fresh ``cuda.core`` stream on CUDA device 0. Skips
+  where cuda.core or a CUDA device is missing.
+
+Async tests under anyio's plugin run on each backend its ``anyio_backend``
+fixture names (since anyio 4.12, by default, every one installed: trio too,
+where it is); the fixtures here serve each.
 
 The ``gpu`` marker skips a test where no registered backend finds a GPU (an
 NVIDIA GPU with its driver, say).
@@ -23,6 +33,7 @@ NVIDIA GPU with its driver, say).
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -35,7 +46,7 @@ if TYPE_CHECKING:
 
     from .testing import Device
 
-__all__ = ("fence_device", "fence_stream", "held_stream")
+__all__ = ("cuda_core_stream", "fence_device", "fence_stream", "held_stream", "torch_stream")
 
 _gpu_found: bool | None = None
 
@@ -116,3 +127,59 @@ def held_stream(fence_device: Device) -> Iterator[StreamGate]:
     with hold(stream) as gate:
         yield gate
     fence_device.close_stream(stream)
+
+
+def _import_or_skip(module: str, what: str) -> Any:
+    """``module``, or skip the test where it is not installed.
+
+    Only a missing ``module`` skips: one that is installed but fails to
+    import (a missing shared library) fails the test, with its error.
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as missing:
+        top = module.partition(".")[0]
+        name = missing.name
+        if name is None or not (module == name or module.startswith(f"{name}.")):
+            raise
+        pytest.skip(f"{what} is not installed (the {top!r} package)")
+
+
+@pytest.fixture
+def torch_stream() -> Iterator[Any]:
+    """A fresh PyTorch stream: on CUDA device 0 where PyTorch sees a GPU, else on the CPU.
+
+    A ``torch.cuda.Stream``, or a ``torch.cpu.Stream`` on CPU-only PyTorch,
+    where work is done when the call that queues it returns and so is every
+    fence recorded on it. Skips where PyTorch is not installed.
+    """
+    torch = _import_or_skip("torch", "PyTorch")
+    if torch.cuda.is_available():
+        stream = torch.cuda.Stream(device=0)
+        yield stream
+        stream.synchronize()
+    else:
+        yield torch.cpu.Stream()
+
+
+@pytest.fixture
+def cuda_core_stream() -> Iterator[Any]:
+    """A fresh ``cuda.core`` stream on CUDA device 0, synchronised and closed afterwards.
+
+    Skips where cuda.core is not installed or there is no CUDA device (no
+    NVIDIA driver, say), saying which.
+    """
+    core = _import_or_skip("cuda.core", "cuda.core")
+    try:
+        backend_named("cuda").lab().open_device()  # a driver and a device, or why not
+    except RuntimeError as missing:
+        pytest.skip(str(missing))
+    device_class = getattr(core, "Device", None)
+    if device_class is None:  # cuda.core before 0.4: under experimental
+        device_class = importlib.import_module("cuda.core.experimental").Device
+    device = device_class(0)
+    device.set_current()
+    stream = device.create_stream()
+    yield stream
+    stream.sync()
+    stream.close()

@@ -1,22 +1,31 @@
-"""A PyTorch pipeline that awaits the GPU without blocking the event loop.
+"""A PyTorch pipeline that awaits the device without blocking the event loop.
 
 Each batch goes host -> device -> host on two streams: an upload stream copies
-a pinned staging tensor to the GPU (``non_blocking=True``), a compute stream
-waits for that copy on the GPU (``Fence.enqueue_wait``), computes, and copies
-the result back into pinned memory. The consumer awaits the batch's fence,
-``record(torch.cuda.current_stream())`` taken right after that copy, and only
+a staging tensor to the device (``non_blocking=True``), a compute stream
+waits for that copy on the device (``Fence.enqueue_wait``), computes, and
+copies the result back to the host. The consumer awaits the batch's fence,
+``record(streams.current_stream())`` taken right after that copy, and only
 then reads the result; the event loop serves other tasks meanwhile (a
 heartbeat counts its ticks).
 
-A ``DropQueue`` keeps what the GPU still reads alive until the fence of the
-work that reads it completes: the staging tensor (then back into the pool for
-the next batch, never overwritten while a copy reads it) and the uploaded
+A ``DropQueue`` keeps what the device still reads alive until the fence of
+the work that reads it completes: the staging tensor (then back into the pool
+for the next batch, never overwritten while a copy reads it) and the uploaded
 tensor, which the compute stream reads although the upload stream allocated it
 (no ``record_stream`` needed). ``max_items`` bounds the batches in flight.
 
-Needs PyTorch with a CUDA GPU; elsewhere it says so and exits with status 0:
+The code is device-agnostic, as PyTorch's own ``torch.get_device_module``
+makes it: on a CUDA GPU the streams are ``torch.cuda.Stream`` and the staging
+tensors are pinned, so the copies are truly asynchronous; on CPU-only PyTorch
+they are ``torch.cpu.Stream``, the work runs when it is queued, every fence
+is done when recorded (awaiting it is still a checkpoint) and the tensors are
+ordinary ones (there is no pinned memory without an accelerator). The same
+code therefore runs in CI and on a laptop.
 
     python examples/torch_pipeline.py
+
+Where PyTorch is not installed it says so and exits with status 0; a PyTorch
+that is installed but fails to import fails, with its error.
 """
 
 from __future__ import annotations
@@ -33,15 +42,25 @@ BATCHES = 32
 STAGING_BUFFERS = 4
 
 
-def load_torch() -> tuple[Any, str]:
-    """PyTorch where a CUDA GPU is usable, else ``None`` and why not."""
+def load_torch() -> Any:
+    """PyTorch, or ``None`` if it is not installed.
+
+    Only a missing ``torch`` package counts as "not installed": a PyTorch that
+    is there but broken (a missing shared library, a dependency of its own
+    missing) raises, so that the error is seen.
+    """
     try:
         import torch
-    except ImportError:
-        return None, "PyTorch is not installed"
-    if not torch.cuda.is_available():
-        return None, "PyTorch finds no CUDA GPU"
-    return torch, ""
+    except ModuleNotFoundError as missing:
+        if missing.name != "torch":
+            raise
+        return None
+    return torch
+
+
+def pick_device(torch: Any) -> Any:
+    """The first CUDA GPU where PyTorch sees one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 async def heartbeat(stop: asyncio.Event, ticks: list[int]) -> None:
@@ -51,11 +70,18 @@ async def heartbeat(stop: asyncio.Event, ticks: list[int]) -> None:
         await asyncio.sleep(0.001)
 
 
-async def pipeline(torch: Any) -> None:
-    """Run the batches through; check each result once its fence completed."""
-    upload, compute = torch.cuda.Stream(), torch.cuda.Stream()
+async def pipeline(torch: Any, device: Any) -> str:
+    """Run the batches through; check each result once its fence completed.
+
+    Returns:
+        What it did, in one line.
+    """
+    streams = torch.get_device_module(device)  # torch.cuda or torch.cpu: the same calls
+    pinned = device.type == "cuda"  # page-locked staging: asynchronous copies
+    upload, compute = streams.Stream(), streams.Stream()
     pool = [
-        torch.empty(ELEMENTS, dtype=torch.float32, pin_memory=True) for _ in range(STAGING_BUFFERS)
+        torch.empty(ELEMENTS, dtype=torch.float32, pin_memory=pinned)
+        for _ in range(STAGING_BUFFERS)
     ]
     results: asyncio.Queue[tuple[int, asyncfence.Fence, Any] | None] = asyncio.Queue()
     drops = asyncfence.DropQueue(max_items=STAGING_BUFFERS)
@@ -73,16 +99,16 @@ async def pipeline(torch: Any) -> None:
             await drops.wait_for_room()  # fewer than STAGING_BUFFERS batches in flight
             staging = pool.pop()  # no copy reads it any more: its fence completed
             torch.arange(ELEMENTS, dtype=torch.float32, out=staging).add_(batch)
-            with torch.cuda.stream(upload):
-                uploaded = staging.to("cuda", non_blocking=True)
-                copied_in = asyncfence.record(torch.cuda.current_stream())
-            copied_in.enqueue_wait(compute)  # on the GPU: the host does not wait
-            with torch.cuda.stream(compute):
+            with streams.stream(upload):
+                uploaded = staging.to(device, non_blocking=True)
+                copied_in = asyncfence.record(streams.current_stream())
+            copied_in.enqueue_wait(compute)  # on the device: the host does not wait
+            with streams.stream(compute):
                 doubled = uploaded * 2 + 1
-                result = torch.empty(ELEMENTS, dtype=torch.float32, pin_memory=True)
+                result = torch.empty(ELEMENTS, dtype=torch.float32, pin_memory=pinned)
                 result.copy_(doubled, non_blocking=True)  # pinned: truly asynchronous
-                done = asyncfence.record(torch.cuda.current_stream())
-            # Until `done`, the GPU still reads `staging` and `uploaded`.
+                done = asyncfence.record(streams.current_stream())
+            # Until `done`, the device still reads `staging` and `uploaded`.
             drops.defer(done, (staging, uploaded), free=recycle)
             await results.put((batch, done, result))
         await results.put(None)
@@ -107,8 +133,12 @@ async def pipeline(torch: Any) -> None:
     stop.set()
     await beat
     released = drops.statistics().released
-    print(
-        f"torch on {torch.cuda.get_device_name()}: {verified} batches of "
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)} (CUDA, pinned staging)"
+    else:
+        where = "the CPU (no CUDA: every fence done when recorded)"
+    return (
+        f"torch {torch.__version__} on {where}: {verified} batches of "
         f"{ELEMENTS * 4 >> 20} MiB up, computed and down in {elapsed * 1e3:.0f} ms, "
         f"all verified; {released} batches' tensors released by the DropQueue after "
         f"their fences, {STAGING_BUFFERS} staging buffers reused "
@@ -118,12 +148,12 @@ async def pipeline(torch: Any) -> None:
 
 
 def main() -> int:
-    """Run the pipeline where PyTorch has a GPU; say why not elsewhere."""
-    torch, missing = load_torch()
+    """Run the pipeline on a CUDA GPU, else on the CPU; say so where PyTorch is missing."""
+    torch = load_torch()
     if torch is None:
-        print(f"torch_pipeline: needs a CUDA GPU with PyTorch ({missing}); nothing to do")
+        print("torch_pipeline: needs PyTorch (not installed); nothing to do")
         return 0
-    asyncio.run(pipeline(torch))
+    print(asyncio.run(pipeline(torch, pick_device(torch))))
     return 0
 
 

@@ -61,3 +61,41 @@ def test_the_command_line_runs_with_only_the_runtime_dependencies() -> None:
         )
         assert result.returncode == 0, (args, result.stderr[-2000:])
     assert "parked waits wake through" in result.stdout  # the demo ran to its end
+
+
+def test_version_answers_to_both_flags() -> None:
+    import subprocess
+    import sys
+
+    for flag in ("-V", "--version"):
+        result = subprocess.run(
+            [sys.executable, "-m", "asyncfence", flag],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == f"asyncfence {asyncfence.__version__}"
+
+
+def test_a_fence_says_it_belongs_to_its_process_when_pickled() -> None:
+    import copy
+    import pickle
+
+    from asyncfence.testing import open_default_device
+
+    device = open_default_device("opencl")
+    stream = device.new_stream()
+    try:
+        fence = asyncfence.record(stream)
+        import pytest
+
+        with pytest.raises(TypeError, match="belongs to the process that recorded it"):
+            pickle.dumps(fence)
+        assert copy.copy(fence) is fence
+        assert copy.deepcopy([fence])[0] is fence
+        fence.wait_sync(timeout=30)
+    finally:
+        device.close_stream(stream)

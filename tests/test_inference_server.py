@@ -94,6 +94,33 @@ def test_the_server_answers_real_requests(gather: str) -> None:
     assert server.process.returncode is not None
 
 
+def test_the_server_answers_bad_input_with_422_not_a_traceback() -> None:
+    load = _import_load()
+    env = {**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"}
+    bodies = {
+        "malformed JSON": b'{"tokens": [1, 2',
+        "not UTF-8": b'{"tokens": [1]}\xff',
+        "not an object": b"[1, 2]",
+        "no tokens": b"{}",
+        "no list": b'{"tokens": 3}',
+        "empty": b'{"tokens": []}',
+        "a bool": b'{"tokens": [true]}',
+        "a float": b'{"tokens": [1.0]}',
+        "out of range": b'{"tokens": [-1]}',
+        "too many": b'{"tokens": [' + b", ".join([b"1"] * 65) + b"]}",
+    }
+    with load.start_server("--gather", "copies", env=env) as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            headers = {"Content-Type": "application/json"}
+            for what, body in bodies.items():
+                answer = client.post("/embed", content=body, headers=headers)
+                assert answer.status_code == 422, (what, answer.status_code, answer.text)
+                assert "tokens" in answer.json()["error"], what
+            good = client.post("/embed", json={"tokens": [5]})  # still serving
+            assert good.json() == {"embeddings": [load.expected(5)]}
+        assert "Traceback" not in server.errors()
+
+
 # -- nothing on the loop waits for the device, even with the queue held ------------------
 #
 # pyopencl's event for a copy between host and device, garbage-collected, waits for

@@ -18,14 +18,14 @@ import threading
 
 import pytest
 
-from asyncfence._native import NativeMailbox, Shim, shim
+from asyncfence._native import NativeMailbox, Shim, shim, unavailable_reason
 
 
 @pytest.fixture
 def native() -> Shim:
     loaded = shim()
     if loaded is None:
-        pytest.skip("the native shim is not in use in this run")
+        pytest.skip(f"the native shim is not in use in this run: {unavailable_reason()}")
     return loaded
 
 

@@ -173,3 +173,11 @@ os._exit(0)
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "failed while enqueue_wait ran" in result.stdout
+
+
+async def test_warm_up_takes_a_queue_and_refuses_what_is_no_stream(queue: Any) -> None:
+    asyncfence.warm_up(queue)  # nothing more to load for OpenCL: it returns
+    asyncfence.warm_up()
+    await asyncfence.record(queue)
+    with pytest.raises(TypeError, match="expected"):
+        asyncfence.warm_up(queue, object())

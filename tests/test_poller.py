@@ -26,7 +26,7 @@ import pytest
 import asyncfence
 from asyncfence import DeviceError, _poller
 from asyncfence._core import FenceCore
-from asyncfence._native import NativeMailbox
+from asyncfence._native import NativeMailbox, unavailable_reason
 from asyncfence._poller import current_poller
 from asyncfence.testing import StreamGate, hold
 
@@ -106,7 +106,7 @@ async def test_a_wait_whose_registration_fails_leaves_nothing_registered(
     queue: cl.CommandQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken_add(self: _poller.Poller, fence: Any, waiter: Any, strategy: str) -> None:
-        self._waiters.setdefault(fence, {})[waiter] = "park"  # registered halfway
+        self._waiters.setdefault(fence, _poller._Waits())[waiter] = "park"  # registered halfway
         self._waiter_count += 1
         raise RuntimeError("registration failed midway")
 
@@ -710,7 +710,7 @@ async def test_a_signal_that_comes_before_its_fence_completes_arms_it_again(
 
     native = shim()
     if native is None:
-        pytest.skip("the native shim is not in use in this run")
+        pytest.skip(f"the native shim is not in use in this run: {unavailable_reason()}")
     with hold(queue) as gate:
         fence = asyncfence.record(queue)
         async with anyio.create_task_group() as tg:
@@ -739,7 +739,7 @@ def noted_calls(
 ) -> list[str]:
     """A list that gets ``note`` each time the native wake path calls ``owner.name``."""
     if wake_path != "native":
-        pytest.skip("the native shim is not in use in this run")
+        pytest.skip(f"the native shim is not in use in this run: {unavailable_reason()}")
     events: list[str] = []
     original = getattr(owner, name)
 
@@ -863,7 +863,7 @@ async def test_a_reader_that_raises_leaves_the_loop_and_its_waits_working(
 ) -> None:
     # One signal armed: the rest of the wake raises. Two: the wake itself.
     if wake_path != "native":
-        pytest.skip("the native shim is not in use in this run")
+        pytest.skip(f"the native shim is not in use in this run: {unavailable_reason()}")
     take_with = NativeMailbox._take_with
     calls = 0
 
@@ -917,7 +917,7 @@ async def test_a_thousand_parked_waits_start_no_thread(
     device: OpenCLDevice, shim: str, wake_path: str, request: pytest.FixtureRequest
 ) -> None:
     if shim == "native" and wake_path != "native":
-        pytest.skip("the native shim is not in use in this run")
+        pytest.skip(f"the native shim is not in use in this run: {unavailable_reason()}")
     if shim == "no shim":
         request.getfixturevalue("without_shim")
     queues = [device.new_stream() for _ in range(1000)]
@@ -1055,3 +1055,113 @@ async def test_an_orphaned_signal_and_a_settle_elsewhere_lose_no_wake(
     finally:
         for gate in (orphan_gate, fence_gate, other_gate):
             gate.release()
+
+
+# -- the ages of the oldest pending and parked fences, for health checks ----------------
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The clock of the fences' ages, set by the test: ``clock[0]`` seconds (the loop's is real)."""
+    now = [1000.0]
+    monkeypatch.setattr(_poller, "_clock", lambda: now[0])
+    return now
+
+
+async def test_statistics_age_the_oldest_pending_and_parked_fences(
+    device: OpenCLDevice, clock: list[float]
+) -> None:
+    first, second = device.new_stream(), device.new_stream()
+    with hold(first) as first_gate, hold(second) as second_gate:
+        polled, parked = asyncfence.record(first), asyncfence.record(second)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(polled.wait, strategy="poll"))
+            await until(lambda: asyncfence.current_statistics().pending_fences == 1)
+            stats = asyncfence.current_statistics()
+            assert (stats.oldest_pending_age, stats.oldest_parked_age) == (0.0, None)
+            clock[0] += 5
+            tg.start_soon(partial(parked.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 1)
+            clock[0] += 2
+            stats = asyncfence.current_statistics()
+            assert (stats.oldest_pending_age, stats.oldest_parked_age) == (7.0, 2.0)
+            assert stats.stuck_fences is None  # not asked
+            assert asyncfence.current_statistics(stuck_after=6).stuck_fences == 1
+            assert asyncfence.current_statistics(stuck_after=1.5).stuck_fences == 2
+            assert asyncfence.current_statistics(stuck_after=7).stuck_fences == 0  # more than
+            first_gate.release()
+            await until(lambda: asyncfence.current_statistics().pending_fences == 1)
+            stats = asyncfence.current_statistics(stuck_after=0)
+            assert (stats.oldest_pending_age, stats.oldest_parked_age) == (2.0, 2.0)
+            assert stats.stuck_fences == 1
+            second_gate.release()
+    stats = asyncfence.current_statistics(stuck_after=0)
+    assert (stats.oldest_pending_age, stats.oldest_parked_age, stats.stuck_fences) == (
+        None,
+        None,
+        0,
+    )
+    first.finish()
+    second.finish()
+
+
+async def test_a_fence_is_aged_from_its_first_wait_and_anew_once_its_waits_left(
+    queue: cl.CommandQueue, clock: list[float]
+) -> None:
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fence.wait)
+            await until(lambda: asyncfence.current_statistics().waiters == 1)
+            clock[0] += 10
+            tg.start_soon(fence.wait)  # a second wait on it: the fence keeps its age
+            await until(lambda: asyncfence.current_statistics().waiters == 2)
+            assert asyncfence.current_statistics().oldest_pending_age == 10.0
+            tg.cancel_scope.cancel()
+        assert asyncfence.current_statistics().oldest_pending_age is None
+        clock[0] += 1
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fence.wait)  # awaited again: aged from now
+            await until(lambda: asyncfence.current_statistics().waiters == 1)
+            clock[0] += 3
+            assert asyncfence.current_statistics().oldest_pending_age == 3.0
+            gate.release()
+    assert fence.done()
+
+
+async def test_a_drop_queues_wait_on_a_held_fence_counts_as_pending(
+    queue: cl.CommandQueue, clock: list[float]
+) -> None:
+    drops = asyncfence.DropQueue()
+    with hold(queue) as gate:
+        drops.defer(asyncfence.record(queue), object())
+        await until(lambda: asyncfence.current_statistics().pending_fences == 1)
+        clock[0] += 4
+        assert asyncfence.current_statistics(stuck_after=3).stuck_fences == 1
+        gate.release()
+        await drops.aclose()
+    assert drops.statistics().released == 1
+    assert asyncfence.current_statistics(stuck_after=3).stuck_fences == 0
+
+
+@pytest.mark.parametrize(
+    ("bound", "error"),
+    [
+        (-1, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        ("5", TypeError),
+        (True, TypeError),
+    ],
+)
+async def test_stuck_after_must_be_a_finite_number_of_seconds(
+    bound: object, error: type[Exception]
+) -> None:
+    fresh = asyncfence.current_statistics(stuck_after=0)  # no poller on this loop yet
+    assert (fresh.stuck_fences, fresh.oldest_pending_age, fresh.oldest_parked_age) == (
+        0,
+        None,
+        None,
+    )
+    with pytest.raises(error, match="stuck_after"):
+        asyncfence.current_statistics(stuck_after=bound)  # type: ignore[arg-type]

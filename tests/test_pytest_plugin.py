@@ -99,3 +99,68 @@ def test_the_testing_page_example_module_passes(pytester: pytest.Pytester) -> No
         "-p", "no:cacheprovider", "-p", "asyncio", "-p", "no:anyio", "-W", "error"
     )
     result.assert_outcomes(passed=2)
+
+
+def _docs_module(marker: str) -> str:
+    page = (Path(__file__).parent.parent / "docs" / "testing.md").read_text()
+    found = re.search(re.escape(marker) + r"\n```python\n(.*?)```", page, re.DOTALL)
+    assert found, f"docs/testing.md lost its example module ({marker})"
+    return found.group(1)
+
+
+ANYIO_MODULE = (
+    "<!-- tests/test_pytest_plugin.py runs this module with pytest, under anyio on asyncio "
+    "and trio -->"
+)
+
+
+def _torch_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def test_the_testing_page_anyio_module_passes_on_asyncio_and_trio(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_from_the_docs=_docs_module(ANYIO_MODULE))
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    os.environ.setdefault("ASYNCFENCE_CUDA_DRIVER", "none")
+    # pytest-asyncio loaded too, in its default strict mode: it leaves anyio's tests alone.
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "asyncio", "-v")
+    torch = 2 if _torch_installed() else 0  # CI installs it: the torch test runs on both
+    result.assert_outcomes(passed=4 + torch, skipped=2 - torch)
+    result.stdout.fnmatch_lines(["*test_the_handler_waits_for_the_device?trio? PASSED*"])
+    result.stdout.fnmatch_lines(["*test_a_device_fault_reaches_the_handler?trio? PASSED*"])
+
+
+LIBRARY_STREAMS = """
+import asyncfence
+import pytest
+
+
+@pytest.mark.anyio
+async def test_torch(torch_stream):
+    fence = asyncfence.record(torch_stream)
+    await fence
+    assert fence.done()
+
+
+@pytest.mark.anyio
+async def test_cuda_core(cuda_core_stream):
+    await asyncfence.record(cuda_core_stream)
+"""
+
+
+def test_the_library_stream_fixtures(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_user_suite=LIBRARY_STREAMS)
+    os.environ.setdefault("ASYNCFENCE_CUDA_DRIVER", "none")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio", "-rs")
+    # anyio's default anyio_backend runs each test on asyncio and trio (installed here).
+    # No NVIDIA driver in a user's suite here: cuda.core's tests skip, saying why.
+    if _torch_installed():
+        result.assert_outcomes(passed=2, skipped=2)
+    else:
+        result.assert_outcomes(skipped=4)
+        result.stdout.fnmatch_lines(["*PyTorch is not installed*"])
+    result.stdout.fnmatch_lines(["*no CUDA device*"])

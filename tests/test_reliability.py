@@ -227,6 +227,7 @@ async def test_one_fence_awaited_on_two_loops_at_once(queue: cl.CommandQueue) ->
     assert fence.done()
 
 
+@pytest.mark.blocks_on_purpose
 async def test_a_free_that_blocks_delays_but_loses_nothing(queue: cl.CommandQueue) -> None:
     import time
 

@@ -71,3 +71,52 @@ raise SystemExit(os.waitstatus_to_exitcode(status))
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+class _BrokenPyopencl:
+    """A meta-path finder for which ``import pyopencl`` fails as a broken install does."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "pyopencl":
+            raise ImportError("libOpenCL.so.1: cannot open shared object file")
+
+
+def test_a_broken_pyopencl_is_named_as_the_cause_not_install_advice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from asyncfence._backends.opencl._lab import OpenCLLab
+
+    monkeypatch.delitem(sys.modules, "pyopencl", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenPyopencl(), *sys.meta_path])
+    with pytest.raises(RuntimeError, match="pyopencl does not import") as caught:
+        OpenCLLab().open_device()
+    assert "cannot open shared object file" in str(caught.value.__cause__)
+    assert "install the opencl extra" not in str(caught.value)
+
+
+def test_a_missing_pyopencl_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from asyncfence._backends.opencl._lab import OpenCLLab
+
+    monkeypatch.setitem(sys.modules, "pyopencl", None)  # import raises ModuleNotFoundError
+    with pytest.raises(RuntimeError, match="install the opencl extra"):
+        OpenCLLab().open_device()
+
+
+def test_open_default_device_chains_the_reason_beneath_its_advice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from asyncfence import testing
+
+    monkeypatch.delitem(sys.modules, "pyopencl", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenPyopencl(), *sys.meta_path])
+    monkeypatch.setattr(testing._gates, "backend_names", lambda: ("opencl",))
+    with pytest.raises(RuntimeError, match="pyopencl does not import") as caught:
+        testing.open_default_device()
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert isinstance(caught.value.__cause__.__cause__, ImportError)

@@ -9,8 +9,11 @@ for ``asyncfence`` and ``asyncfence.testing``.
 from .._backend import register_backend
 from .cuda import CudaBackend, CudaDevice, DeviceBuffer, PinnedBuffer
 from .opencl import OpenCLBackend, OpenCLDevice
+from .torch_cpu import TorchCpuBackend
 
 __all__ = ["CudaDevice", "DeviceBuffer", "OpenCLDevice", "PinnedBuffer"]
 
 register_backend(OpenCLBackend())
 register_backend(CudaBackend())
+# After CUDA's, which takes torch.cuda.Stream; no device to open or hold.
+register_backend(TorchCpuBackend(), devices=False)

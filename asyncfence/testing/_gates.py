@@ -99,7 +99,8 @@ def hold(stream: object) -> Iterator[StreamGate]:
         stream: Any stream :func:`asyncfence.record` accepts.
 
     Raises:
-        TypeError: ``stream`` is not a stream.
+        TypeError: ``stream`` is not a stream, or one that cannot be held
+            (torch's CPU streams: their work is done when it is queued).
     """
     gate = StreamGate(stream)
     try:
@@ -127,10 +128,14 @@ def open_default_device(backend: str | None = None) -> Device:
     """
     if backend is not None:
         return backend_named(backend).lab().open_device()
-    reasons = []
+    reasons: list[RuntimeError] = []
     for name in backend_names():
         try:
             return backend_named(name).lab().open_device()
         except RuntimeError as unavailable:
-            reasons.append(str(unavailable))
-    raise RuntimeError("; ".join(reasons) or "no device backend is registered")
+            reasons.append(unavailable)
+    # Chained to the last backend's reason, whose own cause (a failed import,
+    # say) says what went wrong beneath the advice.
+    raise RuntimeError(
+        "; ".join(str(reason) for reason in reasons) or "no device backend is registered"
+    ) from (reasons[-1] if reasons else None)

@@ -275,15 +275,20 @@ def make_app(
     state: dict[str, Any] = {}
 
     async def embed(request: Request) -> JSONResponse:
-        body = await request.json()
+        expected = (
+            f'a JSON object {{"tokens": [...]}}: a list of 1 to {MAX_BATCH} ints in [0, {VOCAB})'
+        )
+        try:
+            body = await request.json()
+        except ValueError:  # not JSON (json.JSONDecodeError), or not UTF-8: the client's error
+            return JSONResponse({"error": f"the body is not JSON; expected {expected}"}, 422)
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if (
             not isinstance(tokens, list)
             or not 1 <= len(tokens) <= MAX_BATCH
-            or not all(isinstance(t, int) and 0 <= t < VOCAB for t in tokens)
+            or not all(type(t) is int and 0 <= t < VOCAB for t in tokens)  # bools are not
         ):
-            message = f"tokens: a list of 1 to {MAX_BATCH} ints in [0, {VOCAB})"
-            return JSONResponse({"error": message}, status_code=422)
+            return JSONResponse({"error": f"tokens: expected {expected}"}, status_code=422)
         pending = Request_(tokens)
         state["batcher"].requests.put_nowait(pending)
         return JSONResponse({"embeddings": await pending.answer})

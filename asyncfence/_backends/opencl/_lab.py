@@ -182,20 +182,25 @@ class OpenCLLab:
         """
         try:
             import pyopencl as cl
-        except ImportError:
+        except ModuleNotFoundError as missing:
+            if missing.name != "pyopencl":
+                raise RuntimeError(f"pyopencl does not import: {missing}") from missing
             raise RuntimeError(
-                "no device: install the opencl extra (pip install 'asyncfence[opencl]') "
+                "no device: install the opencl extra (pip install -e '.[opencl]' in a checkout) "
                 "for PoCL, an OpenCL runtime that runs on the CPU"
             ) from None
+        except ImportError as broken:  # installed, but broken: say so, not "install it"
+            raise RuntimeError(f"pyopencl does not import: {broken}") from broken
+        cause: Exception | None = None
         try:
             platforms = cl.get_platforms()
-        except cl.Error:
-            platforms = []
+        except cl.Error as error:  # no ICD, or none that loads: kept as the cause
+            platforms, cause = [], error
         devices = [device for platform in platforms for device in platform.get_devices()]
         if not devices:
             raise RuntimeError(
                 "no OpenCL device found: pip install pocl-binary-distribution for one on the CPU"
-            )
+            ) from cause
         gpus = [device for device in devices if device.type & cl.device_type.GPU]
         return OpenCLDevice(cl.Context([(gpus or devices)[0]]))
 

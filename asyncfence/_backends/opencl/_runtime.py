@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ... import _fork
 from ..._backend import Backend, BackendStatistics, NativeSignal, QueueInfo
 from ..._exceptions import DeviceError
+from ..._validation import type_name
 from ._lab import OpenCLLab
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ class OpenCLBackend(Backend["cl.Event"]):
         if not isinstance(stream, cl.CommandQueue):
             raise TypeError(
                 f"OpenCL fences can only be waited on by {self.accepts}; "
-                f"got {type(stream).__qualname__} object"
+                f"got {type_name(stream)} object"
             )
         if stream.context.int_ptr != origin.domain:
             raise ValueError(
