@@ -1,4 +1,4 @@
-"""Command line of the lab: ``python -m benchmarks bench`` and ``soak``, from a checkout.
+"""Command line of the lab: ``python -m benchmarks bench``, ``plot`` and ``soak``, from a checkout.
 
 ``python -m asyncfence bench`` (and ``soak``) hand over to it when run there.
 """
@@ -10,14 +10,14 @@ import math
 import sys
 import textwrap
 
-_DESCRIPTION = "asyncfence's lab: the benchmark and the soak run, from a checkout."
+_DESCRIPTION = "asyncfence's lab: the benchmark, its plot and the soak run, from a checkout."
 
 
 def _bench_description() -> str:
     from .bench import SCENARIOS, BenchConfig, estimate_seconds
 
-    full = estimate_seconds(BenchConfig(), 6, cuda=False)
-    quick = estimate_seconds(BenchConfig.smoke(), 6, cuda=False)
+    full = estimate_seconds(BenchConfig(), 6, backend="opencl")
+    quick = estimate_seconds(BenchConfig.smoke(), 6, backend="opencl")
     listed = "\n".join(f"  {s.key:<24} {s.title}" for s in SCENARIOS)
     about = textwrap.fill(
         "Measure every waiting strategy beside the usual baselines, in one process, "
@@ -48,6 +48,24 @@ def _seconds(text: str) -> float:
     if not math.isfinite(seconds) or seconds < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text}")
     return seconds
+
+
+def _plot(report_path: str, image_path: str) -> int:
+    """``plot``: draw a saved report's plot; returns the exit status."""
+    import json
+    from pathlib import Path
+
+    from .bench.report import plot, require_matplotlib, results_from_report
+
+    require_matplotlib()
+    try:
+        report = json.loads(Path(report_path).read_text())
+        results = results_from_report(report)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"plot: cannot read {report_path} as a bench report: {error}") from None
+    plot(results, results.meta, image_path)
+    print(f"wrote the plot to {Path(image_path).resolve()}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--spin-budget", type=_seconds, metavar="SECONDS", help="the spin budget to measure with"
     )
+    redraw = commands.add_parser(
+        "plot",
+        help="draw the plot of a report that bench --json wrote",
+        description="Draw the plot of a report that bench --json wrote, as bench --plot does.",
+    )
+    redraw.add_argument("report", metavar="REPORT", help="the JSON report")
+    redraw.add_argument("path", metavar="PATH", help="the image to write (.png, .svg)")
     soak = commands.add_parser(
         "soak",
         help="a long run that checks memory and loop lag stay flat",
@@ -103,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         from .soak import run_soak
 
         return run_soak(args.minutes)
+    if args.command == "plot":
+        return _plot(args.report, args.path)
 
     from .bench import run_bench
 

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,7 +30,14 @@ from benchmarks.bench.base import (
     Results,
     default_executor_workers,
 )
-from benchmarks.bench.report import build_report, render, summarize
+from benchmarks.bench.report import (
+    BELOW_FLOOR,
+    build_report,
+    plot,
+    render,
+    results_from_report,
+    summarize,
+)
 from benchmarks.bench.signal_hold import PYTHON_CALLBACK, native_label
 from benchmarks.bench.targets import (
     Contender,
@@ -197,6 +205,129 @@ def test_plain_tables_without_rich(capsys: pytest.CaptureFixture[str]) -> None:
     assert "1 task" in out
     assert "1 tasks" not in out
     assert "16 tasks" in out
+
+
+#: A negative number in a table ("-12,908"), not a range ("0.5-3 ms") or a word.
+NEGATIVE = r"(?<![\w.])-[\d,]*\d"
+
+
+def _meta(**changes: Any) -> dict[str, Any]:
+    """A report's meta, as :func:`benchmarks.bench.report.describe` makes it."""
+    return {
+        "backend": "opencl",
+        "device": "a device",
+        "cpu_count": 2,
+        "python": "3",
+        "loop": "asyncio",
+        "asyncfence": "0",
+        "quick": False,
+        "default_executor_workers": 6,
+        "left_out": {},
+        "config": dataclasses.asdict(BenchConfig()),
+        "date": "2026-12-03",
+        **changes,
+    }
+
+
+def _under_the_floor() -> Results:
+    """Beside a CPU-bound thread, busy polling's p99 is far above every contender's."""
+    results = Results(meta=_meta(device_row=True))
+    ms = 1e-3
+    results.latency["wake_cpu_thread"] = {
+        SLEEP_0: [0.015 * ms] * 98 + [13.4 * ms] * 2,
+        AUTO: [0.037 * ms] * 98 + [0.09 * ms] * 2,
+        TO_THREAD: [0.08 * ms] * 98 + [10.3 * ms] * 2,
+        DEVICE_FINISH: [0.013 * ms] * 100,
+    }
+    results.latency["out_of_order_park"] = {AUTO: [0.1 * ms], TO_THREAD: [0.3 * ms]}
+    return results
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "rich"])
+def test_a_contender_under_the_floor_shows_no_negative_overhead(
+    capsys: pytest.CaptureFixture[str], plain: bool
+) -> None:
+    results = _under_the_floor()
+    summary = summarize(results)
+    # The JSON keeps the signed difference; the tables must not print it.
+    assert summary["wake_cpu_thread"][AUTO]["p99_over_floor_us"] == pytest.approx(90 - 13_400)
+    render(results.meta, summary, plain=plain)
+    out = capsys.readouterr().out
+    assert not re.search(NEGATIVE, out), out  # no negative number anywhere
+    row = next(line for line in out.splitlines() if line.lstrip("│ ").startswith(AUTO))
+    assert "+22" in row  # its p50: 37 µs against the floor's 15
+    assert BELOW_FLOOR in row  # its p99
+    floor_row = next(line for line in out.splitlines() if line.lstrip("│ ").startswith(SLEEP_0))
+    assert floor_row.count("floor") == 2  # its own two overhead cells
+    text = " ".join(out.split())  # the notes, as one would read them, unwrapped
+    assert "over floor: µs above the sleep(0) loop's p50 (or p99) in this run" in text
+    assert f"{BELOW_FLOOR}: under the sleep(0) loop's figure at that percentile" in text
+    # Both latency tables say lower is better; the out-of-order one has no floor to be above.
+    assert text.count("lower is better") >= 4  # in each title and each table's notes
+    out_of_order = text[text.index("out-of-order parking") :]
+    assert "over floor" not in out_of_order
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "rich"])
+def test_the_heading_ends_no_line_on_a_separator(
+    capsys: pytest.CaptureFixture[str], plain: bool
+) -> None:
+    # A device name as long as PoCL's: the heading used to wrap after a "|".
+    device = "pthread-Intel(R) Xeon(R) Platinum 8480+ Processor (Portable Computing Language)"
+    meta = _meta(device=device, wake_path="native", cuda_signal="v2")
+    render(meta, {}, plain=plain)
+    lines = capsys.readouterr().out.splitlines()
+    assert f"asyncfence bench on opencl: {device}" in lines  # whole, on its own line
+    assert "2 cores | Python 3 | asyncio | asyncfence 0" in lines
+    assert "to_thread's default executor: 6 threads | wake path: native | CUDA signal: v2" in lines
+    for line in lines:
+        assert not line.rstrip().endswith("|"), line
+        assert not line.lstrip().startswith("|"), line
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "rich"])
+def test_a_quick_run_says_its_figures_are_not_to_quote(
+    capsys: pytest.CaptureFixture[str], plain: bool
+) -> None:
+    config = dataclasses.asdict(BenchConfig.smoke())
+    results = _under_the_floor()
+    render(_meta(quick=True, config=config), summarize(results), plain=plain)
+    out = " ".join(capsys.readouterr().out.split())
+    note = (
+        f"QUICK RUN: a smoke run with few samples ({config['wake_trials']} trials per "
+        "contender of one waiter's wake latency), too few for figures to quote"
+    )
+    assert out.count(note) == 2  # above the tables and below them
+    render(_meta(), summarize(results), plain=plain)
+    assert "QUICK RUN" not in capsys.readouterr().out  # a full run says nothing of the kind
+
+
+def test_a_report_read_back_gives_the_samples_it_was_made_from() -> None:
+    results = Results(meta=_meta())
+    results.latency["wake_saturated_loop"] = {AUTO: [1e-3, 2e-3], TO_THREAD: [3e-3, math.inf]}
+    results.throughput = {AUTO: {1: [10.0], 64: [20.0, 30.0]}}
+    report = json.loads(json.dumps(build_report(results), allow_nan=False))
+    again = results_from_report(report)
+    assert again.latency == results.latency  # the timeout is infinite again
+    assert again.throughput == results.throughput
+    assert again.meta == json.loads(json.dumps(results.meta))  # as JSON keeps it
+
+
+def test_the_plot_draws_what_a_run_has_and_says_what_it_has_not(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results = _under_the_floor()  # no unloaded wake latency, no saturated loop, no throughput
+    path = tmp_path / "partial.png"
+    plot(results, _meta(quick=True), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results.latency["wake_latency"] = results.latency.pop("wake_cpu_thread")
+    results.latency["wake_saturated_loop"] = {AUTO: [5e-3, 6e-3], TO_THREAD: [math.inf]}
+    results.throughput = {AUTO: {1: [10.0]}, TO_THREAD: {1: [5.0]}}
+    path = tmp_path / "whole.svg"
+    plot(results, _meta(), str(path))
+    drawn = path.read_text()
+    assert "1 of 1 timed out" in drawn  # to_thread's row on the saturated loop says so
+    assert "lower is better" in drawn
+    assert "higher is better" in drawn
 
 
 # -- probe and incremental report, in this process -------------------------------------------
@@ -526,6 +657,29 @@ def test_bench_outside_a_checkout_says_where_it_lives(tmp_path: Path) -> None:
     assert "from a checkout" in result.stderr
 
 
+@pytest.mark.skipif(
+    os.path.exists("/dev/nvidiactl"), reason="a real NVIDIA driver is installed here"
+)
+def test_bench_on_cuda_without_a_driver_ends_in_one_line() -> None:
+    # A plain subprocess has no CUDA driver here: the emulated one is loaded only
+    # where LD_LIBRARY_PATH points at it (the driver_env fixture), and it is left out.
+    env = {key: value for key, value in os.environ.items() if key != "LD_LIBRARY_PATH"}
+    result = subprocess.run(
+        [sys.executable, "-m", "asyncfence", "bench", "--quick", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**env, "ASYNCFENCE_CUDA_DRIVER": "none"},
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout == ""  # nothing was measured, so no tables
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("bench --device cuda: no CUDA device: "), lines[0]
+    assert "libcuda.so.1" in lines[0]  # the cause, named
+
+
 def test_the_demo_succeeds_on_opencl(capsys: pytest.CaptureFixture[str]) -> None:
     from asyncfence._demo import demo
 
@@ -671,6 +825,21 @@ def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) 
     assert "1 task" in result.stdout
     assert "1 tasks" not in result.stdout
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote the plot to {plot_path.resolve()}" in result.stdout
+    assert f"wrote the report (JSON) to {report_path.resolve()}" in result.stdout
+    assert "QUICK RUN: a smoke run with few samples" in result.stdout
+    latency_tables = [
+        block for block in result.stdout.split("\n\n") if block.startswith("wake latency, µs")
+    ]
+    assert len(latency_tables) == len(LATENCY)
+    for block in latency_tables:
+        assert not re.search(NEGATIVE, block), block
+    # The same plot, drawn again from the report alone.
+    from benchmarks.__main__ import main as lab_main
+
+    again = tmp_path / "again.png"
+    assert lab_main(["plot", str(report_path), str(again)]) == 0
+    assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"[1/{len(meta['scenarios'])}]" in result.stderr  # progress
     assert "left" in result.stderr
     assert "(estimate)" in result.stderr

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize(
     ("script", "expected"),
     [
-        ("asyncio_fences.py", "stream 2: done after"),
+        ("asyncio_fences.py", "stream 2: 30 ms of work, done after"),
         ("trio_fences.py", "done once released: True"),
         ("pinned_staging.py", "all verified"),
         ("anyio_pipeline.py", "20 batches through a budget of 4 buffers"),
@@ -37,6 +38,69 @@ def test_example_runs(script: str, expected: str) -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert expected in result.stdout
+
+
+def test_the_asyncio_example_reports_each_stream_once() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "asyncio_fences.py")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3, result.stdout
+    # In the order the streams finish, each with the work it was given.
+    assert sorted(line.partition(",")[0] for line in lines) == [
+        "stream 0: 10 ms of work",
+        "stream 1: 20 ms of work",
+        "stream 2: 30 ms of work",
+    ]
+
+
+def _load_example(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / name)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("script", "loop"),
+    [
+        ("asyncio_fences.py", "asyncio"),
+        ("anyio_pipeline.py", "asyncio"),
+        ("anyio_pipeline.py", "trio"),
+        ("trio_pipeline.py", "trio"),
+    ],
+)
+def test_an_example_calibrates_before_it_times_work(
+    script: str, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first launch_busy on a fresh device calibrates: timed, it reads far longer than asked.
+    from asyncfence.testing import open_default_device
+
+    from .calibration import CalibrationWatch
+
+    trio = pytest.importorskip("trio") if loop == "trio" else None
+    example = _load_example(script)
+    watch = CalibrationWatch()
+    # OpenCL, as the examples' own runs have it (they run without a CUDA driver).
+    monkeypatch.setattr(
+        example, "open_default_device", lambda: watch.watch(open_default_device("opencl"))
+    )
+    if script == "anyio_pipeline.py":
+        anyio.run(example.main, loop, backend=loop)
+    elif trio is not None:
+        trio.run(example.main)
+    else:
+        asyncio.run(example.main())
+    assert watch.launches > 0
+    assert watch.calibrated_in_launch == [False], "the first launch_busy calibrated"
 
 
 # -- pinned_staging.py: its staging pool really has buffers in flight ---------------------
@@ -115,13 +179,14 @@ def test_the_staging_producer_waits_for_a_buffer_while_the_queue_is_held() -> No
     assert report["verified"] == report["batches"]
 
 
-# -- the PyTorch example: it runs on a GPU, and says what it needs elsewhere ------------
+# -- the PyTorch example: on a CUDA GPU, on CPU torch, and where torch is missing ----------
 
 TORCH_EXAMPLE = ROOT / "examples" / "torch_pipeline.py"
-NEEDS_TORCH = "needs a CUDA GPU with PyTorch"
 
 
-def run_torch_example(*python_args: str, env: dict[str, str] | None = None) -> str:
+def run_torch_example(
+    *python_args: str, env: dict[str, str] | None = None, status: int = 0
+) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         [sys.executable, *python_args],
         capture_output=True,
@@ -130,8 +195,8 @@ def run_torch_example(*python_args: str, env: dict[str, str] | None = None) -> s
         env={**os.environ, **(env or {})},
         timeout=120,
     )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout
+    assert result.returncode == status, result.stdout + result.stderr[-2000:]
+    return result
 
 
 def test_the_torch_example_without_pytorch_says_so() -> None:
@@ -140,21 +205,47 @@ def test_the_torch_example_without_pytorch_says_so() -> None:
         f"sys.argv = [{str(TORCH_EXAMPLE)!r}]; "
         f"runpy.run_path({str(TORCH_EXAMPLE)!r}, run_name='__main__')"
     )
-    output = run_torch_example("-c", hide_torch)
-    assert NEEDS_TORCH in output
-    assert "PyTorch is not installed" in output
+    output = run_torch_example("-c", hide_torch).stdout
+    assert "needs PyTorch (not installed)" in output
 
 
-def test_the_torch_example_without_a_gpu_says_so() -> None:
-    # No GPU visible: PyTorch, where installed, finds none.
-    output = run_torch_example(str(TORCH_EXAMPLE), env={"CUDA_VISIBLE_DEVICES": ""})
-    assert NEEDS_TORCH in output
+@pytest.mark.parametrize(
+    "failure",
+    [
+        'ImportError("libc10.so: cannot open shared object file")',
+        "ModuleNotFoundError(\"No module named 'sympy'\", name='sympy')",
+    ],
+    ids=["a-library-missing", "a-dependency-missing"],
+)
+def test_a_broken_pytorch_fails_the_torch_example(tmp_path: Path, failure: str) -> None:
+    # Installed but broken is not "not installed": the example must fail, saying why.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(f"raise {failure}\n")
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    result = run_torch_example(str(TORCH_EXAMPLE), env={"PYTHONPATH": path}, status=1)
+    assert "needs PyTorch" not in result.stdout
+    assert ("libc10.so" if "libc10" in failure else "sympy") in result.stderr
+
+
+def test_the_torch_example_runs_on_cpu_torch() -> None:
+    from .torch_support import import_torch
+
+    import_torch()
+    # No GPU visible: PyTorch runs it on the CPU, where every fence is done when recorded.
+    output = run_torch_example(str(TORCH_EXAMPLE), env={"CUDA_VISIBLE_DEVICES": ""}).stdout
+    assert "on the CPU (no CUDA" in output
+    assert "32 batches of 4 MiB up, computed and down" in output
+    assert "all verified; 32 batches' tensors released by the DropQueue" in output
 
 
 def test_the_torch_example_runs_on_a_gpu(cuda_mode: str) -> None:
     if cuda_mode != "real":
         pytest.skip("needs a real GPU")
-    if importlib.util.find_spec("torch") is None:
-        pytest.skip("needs PyTorch")
-    output = run_torch_example(str(TORCH_EXAMPLE))
+    from .torch_support import import_torch
+
+    torch = import_torch()
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch has no CUDA (a CPU build)")
+    output = run_torch_example(str(TORCH_EXAMPLE)).stdout
+    assert "(CUDA, pinned staging)" in output
     assert "all verified" in output

@@ -16,17 +16,24 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import asyncfence
 
 from ..measure import percentile, plural
 from .base import (
+    AUTO,
+    CONTENDER_ORDER,
     DEVICE_FINISH,
     LATE_AFTER_S,
+    NUMBA,
+    PARK,
+    POLL,
     SLEEP_0,
+    SLEEP_1MS,
     TO_THREAD,
     BenchConfig,
     Results,
@@ -38,13 +45,18 @@ if TYPE_CHECKING:
     from asyncfence.testing import Device
 
 __all__ = [
+    "BELOW_FLOOR",
+    "FLOOR",
     "LATENCY_SCENARIOS",
+    "Table",
     "build_report",
     "describe",
     "latency_figures",
     "plot",
+    "quick_note",
     "render",
     "require_matplotlib",
+    "results_from_report",
     "summarize",
     "tables",
     "write_json",
@@ -65,8 +77,8 @@ LATENCY_SCENARIOS = {
     ),
 }
 _CPU_SCENARIOS = {
-    "cpu_while_parked": "CPU while 64 waits are parked (Python threads' CPU s per wall s)",
-    "cpu_while_waiting": "CPU while waiting on long work (Python threads' CPU s per wall s)",
+    "cpu_while_parked": "CPU while 64 waits are parked, Python threads' CPU s per wall s",
+    "cpu_while_waiting": "CPU while waiting on long work, Python threads' CPU s per wall s",
 }
 
 
@@ -274,7 +286,18 @@ def describe(device: Device, config: BenchConfig, loop_name: str) -> dict[str, A
 
 # -- tables -------------------------------------------------------------------------------
 
-Table = tuple[list[str], list[list[str]]]
+
+class Table(NamedTuple):
+    """One table of the report: its columns, its rows, and the notes printed below it."""
+
+    columns: list[str]
+    rows: list[list[str]]
+    notes: list[str]
+
+
+#: What a latency table shows in an overhead cell under the floor, and in the floor's own.
+BELOW_FLOOR = "below floor"
+FLOOR = "floor"
 
 
 def _number(value: float | None, digits: int = 0) -> str:
@@ -287,6 +310,17 @@ def _signed(value: float | None) -> str:
 
 def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
+
+
+def _over_floor(value: float | None, *, is_floor: bool) -> str:
+    """An overhead cell: ``+N`` µs above the floor, never a negative number."""
+    if value is None or math.isnan(value):
+        return "-"
+    if is_floor:
+        return FLOOR
+    if value < 0:
+        return BELOW_FLOOR
+    return f"+{value:,.0f}"
 
 
 def _latency_cell(value: float | None, timeouts: int, timeout_s: float) -> str:
@@ -307,7 +341,10 @@ def _latency_table(key: str, figures: dict[str, Any], meta: dict[str, Any]) -> T
     timeout_s = _timeout_for(meta, key)
     late = key == "wake_cpu_thread"
     any_timeouts = any(f["timeouts"] for f in figures.values())
-    columns = ["contender", "p50", "p99", "max", "p50 over floor", "p99 over floor"]
+    # The out-of-order scenario has no busy polling to measure a floor by.
+    has_floor = SLEEP_0 in figures
+    columns = ["contender", "p50", "p99", "max"]
+    columns += ["p50 over floor", "p99 over floor"] if has_floor else []
     columns += ["p50 vs to_thread"]
     columns += ["late (> 11 ms)"] if late else []
     columns += ["timeouts"] if any_timeouts else []
@@ -318,16 +355,49 @@ def _latency_table(key: str, figures: dict[str, Any], meta: dict[str, Any]) -> T
             _latency_cell(f["p50_us"], f["timeouts"], timeout_s),
             _latency_cell(f["p99_us"], f["timeouts"], timeout_s),
             _latency_cell(f["max_us"], f["timeouts"], timeout_s),
-            _signed(f["p50_over_floor_us"]),
-            _signed(f["p99_over_floor_us"]),
-            _times(f["p50_vs_to_thread"]),
         ]
+        if has_floor:
+            row += [
+                _over_floor(f["p50_over_floor_us"], is_floor=name == SLEEP_0),
+                _over_floor(f["p99_over_floor_us"], is_floor=name == SLEEP_0),
+            ]
+        row.append(_times(f["p50_vs_to_thread"]))
         if late:
             row.append(f"{f['late_share']:.0%}")
         if any_timeouts:
             row.append(f"{f['timeouts']} of {f['trials']}")
         rows.append(row)
-    return columns, rows
+    notes = ["µs from the gate's release to the waiter's resumption: lower is better."]
+    if has_floor:
+        notes.append(
+            "over floor: µs above the sleep(0) loop's p50 (or p99) in this run, the "
+            "busy-poll floor."
+        )
+        if any(BELOW_FLOOR in row for row in rows):
+            notes.append(
+                f"{BELOW_FLOOR}: under the sleep(0) loop's figure at that percentile (busy "
+                "polling is the floor only while it has the loop and the GIL to itself)."
+            )
+        if DEVICE_FINISH in figures:
+            notes.append(f"{DEVICE_FINISH}: not a way to wait, so no overhead.")
+    notes.append("vs to_thread: the p50 as a multiple of to_thread's.")
+    if late:
+        notes.append("late: the share of wakes after 11 ms (two 5 ms GIL switch intervals).")
+    if any_timeouts:
+        notes.append(f"> {timeout_s:g} s: the percentile lands on a trial that timed out.")
+    return Table(columns, rows, notes)
+
+
+def _cpu_table(figures: dict[str, Any]) -> Table:
+    return Table(
+        ["contender", "cpu/wall", "vs sleep(0) loop"],
+        [[n, _number(f["cpu_per_wall"], 3), _times(f["vs_busy_poll"])] for n, f in figures.items()],
+        [
+            "cpu/wall: CPU seconds of the process's Python threads per wall second (1.000 is "
+            "a whole core): lower is better. The device runtime's own threads are left out.",
+            "vs sleep(0) loop: as a multiple of busy polling's.",
+        ],
+    )
 
 
 def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
@@ -336,22 +406,25 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
     result: dict[str, Table] = {}
     for key, what in LATENCY_SCENARIOS.items():
         if key in summary:
-            title = f"wake latency, µs: {what.format(**config)}"
+            title = f"wake latency, µs (lower is better): {what.format(**config)}"
             result[title] = _latency_table(key, summary[key], meta)
     if "parked_queues" in summary:
         queues = int(next(iter(summary["parked_queues"].values()))["queues"])
         result[f"threads and memory with {plural(queues, 'parked wait')}, one per held queue"] = (
-            ["contender", "Python threads +", "OS threads +", "RSS + MB", "Python heap MB"],
-            [
+            Table(
+                ["contender", "Python threads +", "OS threads +", "RSS + MB", "Python heap MB"],
                 [
-                    n,
-                    _signed(f["python_threads_delta"]),
-                    _signed(f["os_threads_delta"]),
-                    _number(f["rss_delta_mb"], 1),
-                    _number(f["python_heap_mb"], 2),
-                ]
-                for n, f in summary["parked_queues"].items()
-            ],
+                    [
+                        n,
+                        _signed(f["python_threads_delta"]),
+                        _signed(f["os_threads_delta"]),
+                        _number(f["rss_delta_mb"], 1),
+                        _number(f["python_heap_mb"], 2),
+                    ]
+                    for n, f in summary["parked_queues"].items()
+                ],
+                ["What the waits added to the process: lower is better."],
+            )
         )
     if "parked_one_by_one" in summary:
         figures = summary["parked_one_by_one"]
@@ -381,7 +454,7 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
                     "",
                 ]
             )
-        result["parked fences completing one by one (asyncfence park)"] = (
+        result["parked fences completing one by one (asyncfence park)"] = Table(
             [
                 "queue",
                 "fences",
@@ -392,22 +465,17 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
                 "signals per fence",
             ],
             rows,
+            ["Time, loop CPU and device queries: lower is better."],
         )
     for key, title in _CPU_SCENARIOS.items():
         if key in summary:
-            result[title] = (
-                ["contender", "cpu/wall", "vs sleep(0) loop"],
-                [
-                    [n, _number(f["cpu_per_wall"], 3), _times(f["vs_busy_poll"])]
-                    for n, f in summary[key].items()
-                ],
-            )
+            result[f"{title} (lower is better)"] = _cpu_table(summary[key])
     if "throughput" in summary:
         rates = summary["throughput"]
         counts = sorted(
             {int(k.split("_")[0]) for f in rates.values() for k in f if k.endswith("_per_s")}
         )
-        result["throughput (record-and-await round trips per second)"] = (
+        result["throughput: record-and-await round trips per second (higher is better)"] = Table(
             ["contender"]
             + [plural(n, "task") for n in counts]
             + [f"{plural(n, 'task')} vs to_thread" for n in counts],
@@ -417,6 +485,7 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
                 + [_times(f.get(f"{c}_tasks_vs_to_thread")) for c in counts]
                 for n, f in rates.items()
             ],
+            ["On short work, one stream per task; vs to_thread: as a multiple of to_thread's."],
         )
     if "scale" in summary:
         scale = summary["scale"]
@@ -431,15 +500,20 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
                 text += f" / {_number(figures['tick_mean_s'] * 1e6, 1)}"
             return text
 
-        result["scale (pending fences on held streams): loop lag p99 µs / poller tick µs"] = (
+        title = "scale (pending fences on held streams): loop lag p99 µs / poller tick µs"
+        result[title] = Table(
             ["contender"] + [f"{s:,} pending" for s in sizes],
             [[n] + [cell(per, s) for s in sizes] for n, per in scale.items()],
+            [
+                "loop lag: how long a task that yields once waits to run again, p99; "
+                "poller tick: asyncfence's mean cost per tick. Lower is better."
+            ],
         )
     if "drop_queue" in summary:
         drop = summary["drop_queue"]
         objects = int(next(iter(drop.values()))["objects"])
         title = f"drop queue: {objects:,} objects on 16 streams, one stream stuck, then all done"
-        result[title] = (
+        result[title] = Table(
             [
                 "contender",
                 "defer µs",
@@ -461,14 +535,19 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
                 ]
                 for n, f in drop.items()
             ],
+            [
+                "Lower is better, but for released, 1 stuck: the objects freed while one "
+                "of the 16 streams is stuck (higher is better)."
+            ],
         )
     if "signal_hold" in summary:
-        result["how long a completion signal holds its stream (µs, CUDA timing events)"] = (
+        result["how long a completion signal holds its stream (µs, CUDA timing events)"] = Table(
             ["signal", "p50", "max"],
             [
                 [n, _number(f["p50_us"], 1), _number(f["max_us"], 1)]
                 for n, f in summary["signal_hold"].items()
             ],
+            ["The stream waits this long for each signal: lower is better."],
         )
     return result
 
@@ -477,11 +556,23 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
 _POOL_NAMES = {"trio": "default thread limiter"}
 
 
+def quick_note(meta: dict[str, Any]) -> str | None:
+    """What a ``--quick`` run's report says of its figures; ``None`` for a full run."""
+    if not meta.get("quick"):
+        return None
+    trials = meta.get("config", {}).get("wake_trials")
+    few = f" ({trials} trials per contender of one waiter's wake latency)" if trials else ""
+    return (
+        f"QUICK RUN: a smoke run with few samples{few}, too few for figures to quote; "
+        "run without --quick for figures"
+    )
+
+
 def _heading(meta: dict[str, Any]) -> list[str]:
     lines = [
-        f"asyncfence bench on {meta['backend']}: {meta['device']} | "
+        f"asyncfence bench on {meta['backend']}: {meta['device']}",
         f"{plural(meta['cpu_count'] or 0, 'core')} | Python {meta['python']} | {meta['loop']} | "
-        f"asyncfence {meta['asyncfence']}" + (" | quick" if meta["quick"] else ""),
+        f"asyncfence {meta['asyncfence']}",
         f"to_thread's {_POOL_NAMES.get(meta['loop'], 'default executor')}: "
         f"{plural(meta['default_executor_workers'], 'thread')}"
         + (f" | wake path: {meta['wake_path']}" if meta.get("wake_path") else "")
@@ -493,13 +584,29 @@ def _heading(meta: dict[str, Any]) -> list[str]:
             "which no wait can beat"
         )
     lines += [f"left out {name}: {reason}" for name, reason in meta.get("left_out", {}).items()]
+    note = quick_note(meta)
+    if note:
+        lines.append(note)
     if meta.get("incomplete"):
         lines.append(f"INCOMPLETE: {meta['incomplete']}")
     return lines
 
 
+def _notes(table: Table) -> str:
+    """A table's notes, one paragraph indented below it."""
+    return textwrap.fill(
+        " ".join(table.notes), width=100, initial_indent="  ", subsequent_indent="  "
+    )
+
+
 def render(meta: dict[str, Any], summary: dict[str, Any], *, plain: bool = False) -> None:
-    """Print the tables, with rich where it is installed (unless ``plain``)."""
+    """Print the tables, each with its notes, with rich where it is installed (unless ``plain``).
+
+    Args:
+        meta: The report's ``meta``.
+        summary: The report's ``summary`` (:func:`summarize`).
+        plain: Plain text even where rich is installed.
+    """
     heading, found = _heading(meta), tables(summary, meta)
     try:
         if plain:
@@ -508,27 +615,39 @@ def render(meta: dict[str, Any], summary: dict[str, Any], *, plain: bool = False
         from rich.table import Table as RichTable
     except ImportError:
         print("\n".join(heading))
-        for title, (columns, rows) in found.items():
-            widths = [max(len(c) for c in column) for column in zip(columns, *rows, strict=True)]
+        for title, table in found.items():
+            cells = [table.columns, *table.rows]
+            widths = [max(len(c) for c in column) for column in zip(*cells, strict=True)]
             print(f"\n{title}")
-            for cells in [columns, *rows]:
-                print("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+            for row in cells:
+                print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+            print(_notes(table))
+        if quick_note(meta):
+            print(f"\n{quick_note(meta)}")
         return
     console = Console(width=None if sys.stdout.isatty() else 120)
     for index, text in enumerate(heading):
-        console.print(text, style="bold" if index == 0 else None, highlight=False)
-    for title, (columns, rows) in found.items():
-        table = RichTable(title=title, title_justify="left")
-        for index, column in enumerate(columns):
-            table.add_column(column, justify="left" if index == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+        # soft_wrap: a long line is never broken by rich, so none ends on a separator.
+        style = "bold" if index == 0 else None
+        console.print(text, style=style, highlight=False, markup=False, soft_wrap=True)
+    for title, table in found.items():
+        console.print()
+        console.print(title, style="bold", highlight=False, markup=False, soft_wrap=True)
+        shown = RichTable()
+        for index, column in enumerate(table.columns):
+            shown.add_column(column, justify="left" if index == 0 else "right")
+        for row in table.rows:
+            shown.add_row(*row)
+        console.print(shown)
+        console.print(_notes(table), style="dim", highlight=False, markup=False, soft_wrap=True)
+    if quick_note(meta):  # at the end too, beside the figures it is about
+        console.print()
+        console.print(quick_note(meta), style="bold", highlight=False, markup=False, soft_wrap=True)
 
 
 # -- the plot -----------------------------------------------------------------------------
 
-_MATPLOTLIB_MISSING = "--plot needs matplotlib: pip install 'asyncfence[bench]'"
+_MATPLOTLIB_MISSING = "--plot needs matplotlib: pip install -e '.[bench]' in the checkout"
 
 
 def require_matplotlib() -> None:
@@ -543,52 +662,215 @@ def require_matplotlib() -> None:
         raise SystemExit(_MATPLOTLIB_MISSING) from None
 
 
-def _cumulative(axis: Any, samples: dict[str, list[float]], title: str) -> None:
-    for name, values in ordered(samples).items():
-        finite = sorted(v * 1e6 for v in values if math.isfinite(v))
-        if not finite:
-            continue
-        fractions = [(i + 1) / len(values) for i in range(len(finite))]
-        axis.step(finite, fractions, where="post", label=name)
-    axis.set_xscale("log")
-    axis.set_xlabel("wake latency (µs, log scale)")
-    axis.set_ylabel("fraction of waits")
+#: Each contender's line style and marker, the same in every panel (colours follow the order).
+_STYLES = {
+    AUTO: ("-", "o"),
+    PARK: ("--", "s"),
+    POLL: ("-.", "^"),
+    TO_THREAD: (":", "D"),
+    SLEEP_1MS: ((0, (5, 1.5)), "v"),
+    SLEEP_0: ((0, (3, 1, 1, 1, 1, 1)), "P"),
+    NUMBA: ((0, (1, 2)), "X"),
+    DEVICE_FINISH: ("-", "*"),
+}
+_LATENCY_AXIS = "wake latency, µs (log scale): lower is better"
+
+
+def _style(name: str) -> dict[str, Any]:
+    rank = list(CONTENDER_ORDER).index(name) if name in CONTENDER_ORDER else len(CONTENDER_ORDER)
+    linestyle, marker = _STYLES.get(name, ("-", "."))
+    return {"color": f"C{rank % 10}", "linestyle": linestyle, "marker": marker}
+
+
+def _log_limits(values: list[float], upper: float | None = None) -> tuple[float, float]:
+    """Whole decades around ``values`` (µs, all positive), reaching ``upper`` if given."""
+    low = 10 ** math.floor(math.log10(min(values)))
+    high = 10 ** math.ceil(math.log10(max([*values, upper or 0.0])))
+    return low, high if high > low else low * 10
+
+
+def _finite_us(values: list[float]) -> list[float]:
+    """The finite, positive samples in µs, sorted (a log axis shows nothing else)."""
+    return sorted(v * 1e6 for v in values if math.isfinite(v) and v > 0)
+
+
+def _not_measured(axis: Any, title: str) -> None:
     axis.set_title(title)
-    axis.legend(fontsize="small")
+    axis.text(0.5, 0.5, "not measured in this run", ha="center", va="center")
+    axis.set_axis_off()
+
+
+def _cumulative(axis: Any, samples: dict[str, list[float]], title: str) -> None:
+    """Each contender's distribution, with its p50 marked."""
+    drawn = {name: _finite_us(values) for name, values in ordered(samples).items()}
+    drawn = {name: finite for name, finite in drawn.items() if finite}
+    if not drawn:
+        _not_measured(axis, title)
+        return
+    for name, finite in drawn.items():
+        count = len(samples[name])
+        fractions = [(i + 1) / count for i in range(len(finite))]
+        style = _style(name)
+        median = max(0, math.ceil(count * 0.5) - 1)  # nearest rank, as the tables take it
+        axis.step(
+            finite,
+            fractions,
+            where="post",
+            label=name,
+            color=style["color"],
+            linestyle=style["linestyle"],
+            marker=style["marker"],
+            markevery=[median] if median < len(finite) else [],  # not on a timeout
+            markersize=7,
+        )
+    axis.set_xscale("log")
+    axis.set_xlim(*_log_limits([v for finite in drawn.values() for v in finite]))
+    axis.set_ylim(0, 1.02)
+    axis.set_xlabel(_LATENCY_AXIS)
+    axis.set_ylabel("share of waits woken by then (marker: p50)")
+    axis.set_title(title)
+    axis.grid(True, which="major", alpha=0.3)
+
+
+def _strip(axis: Any, samples: dict[str, list[float]], timeout_s: float, title: str) -> None:
+    """One row per contender: each wait a dot, its p50 a bar, its timeouts at the bound."""
+    rows = {name: values for name, values in ordered(samples).items() if values}
+    if not rows:
+        _not_measured(axis, title)
+        return
+    bound_us = timeout_s * 1e6
+    finite = [v for values in rows.values() for v in _finite_us(values)]
+    low, high = _log_limits(finite or [bound_us], bound_us * 1.5)
+    labels = []
+    for row, (name, values) in enumerate(rows.items()):
+        style = _style(name)
+        points = _finite_us(values)
+        # Spread a row's dots over its height, in order, so that equal values stay apart.
+        offsets = [0.25 * ((i % 5) / 2 - 1) for i in range(len(points))]
+        axis.scatter(
+            points,
+            [row + o for o in offsets],
+            s=30,
+            color=style["color"],
+            marker=style["marker"],
+            alpha=0.7,
+            linewidths=0,
+            zorder=3,
+        )
+        timeouts = sum(not math.isfinite(v) for v in values)
+        labels.append(f"{name}\n{timeouts} of {len(values)} timed out" if timeouts else name)
+        if points:
+            p50 = percentile([v * 1e6 for v in values], 0.5)
+            if math.isfinite(p50):
+                axis.plot([p50, p50], [row - 0.42, row + 0.42], color="black", linewidth=1.2)
+        if timeouts:  # at the bound, where they were given up
+            axis.scatter([bound_us], [row], s=70, color=style["color"], marker="x")
+    axis.axvline(bound_us, color="grey", linestyle="--", linewidth=1)
+    axis.text(
+        bound_us,
+        -0.45,
+        f"each trial's bound, {timeout_s:g} s ",
+        ha="right",
+        va="top",
+        fontsize="small",
+        color="grey",
+    )
+    axis.set_xscale("log")
+    axis.set_xlim(low, high)
+    axis.set_ylim(len(rows) - 0.5, -0.5)  # the first contender on top
+    axis.set_yticks(range(len(rows)))
+    axis.set_yticklabels(labels, fontsize="small")
+    axis.set_xlabel(_LATENCY_AXIS)
+    axis.set_title(title)
+    axis.grid(True, axis="x", which="major", alpha=0.3)
+
+
+def _throughput(axis: Any, throughput: dict[str, dict[int, list[float]]]) -> None:
+    names = list(ordered(throughput))
+    title = "throughput on short work"
+    if not names:
+        _not_measured(axis, title)
+        return
+    task_counts = sorted({t for per in throughput.values() for t in per})
+    width = 0.8 / max(1, len(task_counts))
+    tallest = 0.0
+    for offset, tasks in enumerate(task_counts):
+        values = [statistics.median(throughput[n].get(tasks, [0.0])) for n in names]
+        tallest = max(tallest, *values)
+        axis.bar(
+            [i + offset * width for i in range(len(names))],
+            values,
+            width,
+            label=plural(tasks, "task"),
+            color=f"C{offset % 10}",
+            hatch=["", "//", "..", "xx"][offset % 4],
+            edgecolor="white",
+        )
+    axis.set_xticks([i + width * (len(task_counts) - 1) / 2 for i in range(len(names))])
+    axis.set_xticklabels(names, rotation=20, ha="right", fontsize="small")
+    axis.set_ylim(0, tallest * 1.2 or 1)  # room for the legend above the bars
+    axis.set_ylabel("round trips per second: higher is better")
+    axis.set_title(title)
+    axis.legend(fontsize="small", loc="upper left", ncol=len(task_counts), frameon=False)
+
+
+def results_from_report(report: dict[str, Any]) -> Results:
+    """The samples of a ``--json`` report, as the plot reads them (a timeout back to infinity).
+
+    Args:
+        report: A report as :func:`build_report` made it and ``--json`` wrote it.
+
+    Returns:
+        The latency and throughput samples and the meta; nothing else.
+    """
+    results = Results(meta=dict(report["meta"]))
+    for key, per in report.get("samples", {}).items():
+        scenario = key.removesuffix("_s")
+        if scenario in LATENCY_SCENARIOS:
+            results.latency[scenario] = {
+                name: [math.inf if v is None else float(v) for v in values]
+                for name, values in per.items()
+            }
+    for name, per in report.get("samples", {}).get("throughput_per_s", {}).items():
+        results.throughput[name] = {int(tasks): list(rates) for tasks, rates in per.items()}
+    return results
 
 
 def plot(results: Results, meta: dict[str, Any], path: str) -> None:
-    """Wake-latency distributions, unloaded and on a saturated loop, and throughput."""
+    """Wake-latency distributions, unloaded and on a saturated loop, and throughput.
+
+    Args:
+        results: What was measured (only the latency and throughput samples are read).
+        meta: The report's ``meta``.
+        path: The image to write; its suffix picks the format (``.png``, ``.svg``).
+    """
     require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(17, 4.5))
-    _cumulative(left, results.latency.get("wake_latency", {}), "wake latency, cumulative")
-    _cumulative(
+    figure, (left, middle, right) = plt.subplots(
+        1, 3, figsize=(18, 5.5), gridspec_kw={"width_ratios": [1.1, 1.1, 0.9]}
+    )
+    unloaded = results.latency.get("wake_latency", {})
+    _cumulative(left, unloaded, "wake latency, one waiter: the share of waits woken by then")
+    _strip(
         middle,
         results.latency.get("wake_saturated_loop", {}),
-        "on a saturated loop, cumulative",
+        _timeout_for(meta, "wake_saturated_loop"),
+        "on a saturated loop: each wait a dot, p50 a bar",
     )
-    names = list(ordered(results.throughput))
-    task_counts = sorted({t for per in results.throughput.values() for t in per})
-    width = 0.8 / max(1, len(task_counts))
-    for offset, tasks in enumerate(task_counts):
-        values = [statistics.median(results.throughput[n].get(tasks, [0.0])) for n in names]
-        right.bar(
-            [i + offset * width for i in range(len(names))],
-            values,
-            width,
-            label=plural(tasks, "task"),
-        )
-    right.set_xticks([i + width * (len(task_counts) - 1) / 2 for i in range(len(names))])
-    right.set_xticklabels(names, rotation=20, ha="right", fontsize="small")
-    right.set_ylabel("round trips per second")
-    right.set_title("throughput on short work")
-    right.legend(fontsize="small")
-    figure.suptitle(f"asyncfence bench: {meta['backend']} on {meta['device']} ({meta['date']})")
-    figure.tight_layout()
+    _throughput(right, results.throughput)
+    handles, labels = left.get_legend_handles_labels()
+    if handles:
+        figure.legend(handles, labels, loc="lower center", ncol=len(handles), frameon=False)
+    title = (
+        f"asyncfence bench: {meta['backend']} on {meta['device']}, {meta['loop']} ({meta['date']})"
+    )
+    if meta.get("quick"):
+        title += "; QUICK RUN: few samples, not figures to quote"
+    figure.suptitle(title)
+    figure.tight_layout(rect=(0, 0.07 if handles else 0, 1, 1))
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -11,6 +11,7 @@ import functools
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -41,7 +42,8 @@ class Scenario:
         run: Measures, writing into the context's results.
         estimate_s: Rough seconds it takes, from the settings and the number
             of contenders (on a 2-core machine).
-        cuda_only: Runs on CUDA devices only.
+        backends: The backends it runs on (``None``: every one); elsewhere it
+            is left out of the run and of its estimate.
         times_device_row: Times the device's own row beside the contenders
             (:attr:`.targets.Context.timed`).
     """
@@ -50,8 +52,12 @@ class Scenario:
     title: str
     run: Callable[[Context], Awaitable[None]]
     estimate_s: Callable[[BenchConfig, int], float]
-    cuda_only: bool = False
+    backends: frozenset[str] | None = None
     times_device_row: bool = False
+
+    def runs_on(self, backend: str) -> bool:
+        """Whether it runs on ``backend`` (``"cuda"``, ``"opencl"``)."""
+        return self.backends is None or backend in self.backends
 
 
 SCENARIOS: list[Scenario] = [
@@ -139,6 +145,7 @@ SCENARIOS: list[Scenario] = [
         load.parked_one_by_one,
         # PoCL's own out-of-order dependency tracking grows with the square.
         lambda c, n: c.one_by_one_fences * 3e-4 + c.one_by_one_fences**2 * 3.5e-5,
+        backends=frozenset({"opencl"}),  # out-of-order queues are OpenCL's
     ),
     Scenario(
         "drop_queue",
@@ -151,7 +158,7 @@ SCENARIOS: list[Scenario] = [
         "how long a completion signal holds its stream (CUDA only)",
         signal_hold.signal_hold,
         lambda c, n: max(3, c.wake_trials // 4) * 2 * 0.006,
-        cuda_only=True,
+        backends=frozenset({"cuda"}),
     ),
 ]
 
@@ -162,9 +169,9 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
-def estimate_seconds(config: BenchConfig, contenders: int, *, cuda: bool) -> float:
-    """Rough length of a whole run, as ``--help`` and the first line state it."""
-    return sum(s.estimate_s(config, contenders) for s in SCENARIOS if cuda or not s.cuda_only)
+def estimate_seconds(config: BenchConfig, contenders: int, *, backend: str) -> float:
+    """Rough length of a whole run on ``backend``, as ``--help`` and the first line state it."""
+    return sum(s.estimate_s(config, contenders) for s in SCENARIOS if s.runs_on(backend))
 
 
 class Progress:
@@ -225,7 +232,7 @@ async def _run(
             target, contenders(target), config.probe_timeout_s, quiet=quiet
         )
         meta["contenders"] = [c.name for c in context.entrants]
-        plan = [s for s in plan if target.device.backend == "cuda" or not s.cuda_only]
+        plan = [s for s in plan if s.runs_on(target.device.backend)]
         meta["scenarios"] = [s.key for s in plan]
         row = device_finish_row(target)
         if row is not None and any(s.times_device_row for s in plan):
@@ -284,6 +291,20 @@ def _loop_backend(loop: str) -> tuple[str, dict[str, Any]]:
     return "trio", {}
 
 
+def _open_device(backend: str | None) -> Device:
+    """The device to measure on; SystemExit with one line if there is none.
+
+    A missing driver or device is the user's machine, not a bug: its cause
+    chain (the driver's loader, say) would bury the one line that matters.
+    """
+    try:
+        return open_default_device(backend)
+    except RuntimeError as unavailable:
+        asked = f" --device {backend}" if backend else ""
+        reason = " ".join(str(unavailable).split())  # one line, whatever the message
+        raise SystemExit(f"bench{asked}: {reason}") from unavailable
+
+
 def run_bench(
     *,
     device: str | None = None,
@@ -311,8 +332,9 @@ def run_bench(
         The report: ``{"meta": ..., "summary": ..., "samples": ...}``.
 
     Raises:
-        SystemExit: ``plot_path`` is given and matplotlib is missing, or
-            ``loop`` is not installed.
+        SystemExit: ``plot_path`` is given and matplotlib is missing,
+            ``loop`` is not installed, or there is no such device (one line
+            saying why, before anything is measured).
         ValueError: ``scenarios`` names one that does not exist, or ``loop``
             is not one of the three.
     """
@@ -325,7 +347,7 @@ def run_bench(
         raise ValueError(f"no such scenarios: {', '.join(unknown)}; known: {', '.join(known)}")
     plan = [known[key] for key in scenarios] if scenarios is not None else list(SCENARIOS)
     config = config or (BenchConfig.smoke() if quick else BenchConfig())
-    opened = open_default_device(device)
+    opened = _open_device(device)
     results = Results(describe(opened, config, loop))
     main = functools.partial(_run, opened, config, results, plan, json_path, quiet)
     try:
@@ -335,6 +357,9 @@ def run_bench(
         raise
     report = build_report(results)
     render(results.meta, report["summary"])
+    if json_path:
+        print(f"wrote the report (JSON) to {Path(json_path).resolve()}")
     if plot_path:
         plot(results, results.meta, plot_path)
+        print(f"wrote the plot to {Path(plot_path).resolve()}")
     return report
