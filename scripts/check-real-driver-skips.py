@@ -24,6 +24,8 @@ ALLOWED = (
     "pretends to be an older emulated driver",
     "could not import",  # an optional library (CuPy, numba-cuda) not installed
     "no new thread got the exited thread's ident",  # left to the OS's ident reuse
+    "needs a real GPU",  # PyTorch, CuPy, numba-cuda: beyond what is emulated
+    "needs PyTorch with a CUDA GPU",
 )
 _SKIP_LINE = re.compile(r"^SKIPPED \[\d+\] (?P<where>[^:]+:\d+): (?P<reason>.*)$")
 

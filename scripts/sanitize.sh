@@ -3,7 +3,8 @@
 # UndefinedBehaviorSanitizer, then the native, poller, wake-model and stress
 # tests and a short soak run under them: the sanitizers slow the process,
 # which is what exposes races in the wake path. Any report fails the run.
-# The shim the checkout had is put back however this ends.
+# It all runs in a copy of the checkout (git's files), so the checkout's own
+# shim is never touched: other runs may use it at the same time.
 #
 # Usage: scripts/sanitize.sh [SOAK_MINUTES]   (PYTHON: the interpreter, .venv's by default)
 set -euo pipefail
@@ -13,11 +14,12 @@ soak_minutes=${1:-0.5}
 cc=${CC:-cc}
 flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O1"
 
-shim=asyncfence/_shim.so
-saved=$(mktemp)
-[ -e "$shim" ] && cp -p "$shim" "$saved"
-restore() { if [ -s "$saved" ]; then cp -p "$saved" "$shim"; else rm -f "$shim"; fi; rm -f "$saved"; }
-trap restore EXIT
+copy=$(mktemp -d)
+trap 'rm -rf "$copy"' EXIT
+git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$copy"
+python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
+cd "$copy" # python -m puts the working folder first: the copy's asyncfence is imported
+shim=$copy/asyncfence/_shim.so
 # shellcheck disable=SC2086
 "$cc" -shared -fPIC -std=c11 -fvisibility=hidden $flags -o "$shim" asyncfence/_native.c
 
@@ -35,10 +37,12 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export ASYNCFENCE_EMULATOR_CFLAGS="$flags"
 export ASYNCFENCE_CUDA_DRIVER=emulated
 
-"$python" - <<'PY'
+SANITIZED_SHIM=$shim "$python" - <<'PY'
+import os
 from asyncfence._native import shim
 native = shim()
 assert native is not None, "the sanitized shim did not load"
+assert native.path == os.environ["SANITIZED_SHIM"], f"not the sanitized shim: {native.path}"
 print("sanitized shim:", native.path)
 PY
 "$python" -m pytest -p no:cacheprovider -q tests/test_native.py tests/test_poller.py \

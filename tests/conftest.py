@@ -347,6 +347,12 @@ def emulator(cuda_mode: str) -> Any:
     return _emulator
 
 
+@pytest.fixture(scope="session")
+def driver_is_emulated() -> bool:
+    """Whether this run's CUDA driver is the emulated one, its hooks hidden or not."""
+    return _emulated_library_dir is not None
+
+
 @pytest.fixture
 def emulated_driver(cuda_mode: str) -> None:
     """For the tests of the emulated driver itself; skips on a real driver."""
