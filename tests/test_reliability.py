@@ -151,6 +151,9 @@ def test_a_runtime_initialised_before_fork_is_refused_in_the_child_saying_why(
 def test_keyboard_interrupt_during_wait_sync(backend: str, cuda_mode: str) -> None:
     result = run_script(
         """
+        # Ctrl-C as a terminal delivers it: a process started in the background
+        # of a non-interactive shell (CI run with &, say) inherits SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         gate = StreamGate(stream)  # never released: only the interrupt ends the wait
         fence = asyncfence.record(stream)
         threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
