@@ -21,12 +21,17 @@ REQUIRE_TORCH = os.environ.get("ASYNCFENCE_REQUIRE_TORCH") == "1"
 
 
 def import_torch() -> Any:
-    """``torch``; skips the calling test where it is not installed (see the module doc)."""
+    """``torch``; skips the calling test, or module, where it is not installed (see the module doc).
+
+    At a module's top level it skips (or fails) the whole module.
+    """
     try:
         return importlib.import_module("torch")
     except ModuleNotFoundError as missing:
         if missing.name != "torch":
             raise
         if REQUIRE_TORCH:
-            pytest.fail("ASYNCFENCE_REQUIRE_TORCH=1, but PyTorch is not installed")
-        pytest.skip("needs PyTorch (CI installs torch==2.13.0, the CPU build)")
+            pytest.fail("ASYNCFENCE_REQUIRE_TORCH=1, but PyTorch is not installed", pytrace=False)
+        pytest.skip(
+            "needs PyTorch (CI installs torch==2.13.0, the CPU build)", allow_module_level=True
+        )
