@@ -17,6 +17,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_example(script: str) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/script`` on the default device; it must exit 0."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
 @pytest.mark.parametrize(
     ("script", "expected"),
     [
@@ -28,28 +42,11 @@ ROOT = Path(__file__).resolve().parent.parent
     ],
 )
 def test_example_runs(script: str, expected: str) -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert expected in result.stdout
+    assert expected in run_example(script).stdout
 
 
 def test_the_asyncio_example_reports_each_stream_once() -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "asyncio_fences.py")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_example("asyncio_fences.py")
     lines = result.stdout.splitlines()
     assert len(lines) == 3, result.stdout
     # In the order the streams finish, each with the work it was given.

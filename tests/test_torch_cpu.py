@@ -148,6 +148,19 @@ def test_the_cpu_backend_is_no_device_of_the_registry() -> None:
     assert "torch-cpu" not in {stats.backend for stats in asyncfence.backend_statistics()}
 
 
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (no CUDA driver); it must exit 0."""
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
 def test_torch_is_imported_only_for_a_stream_of_torchs() -> None:
     program = """
 import sys
@@ -164,15 +177,7 @@ for stream in (Stream(), object(), 3.5):
         pass
 print("torch imported:", "torch" in sys.modules)
 """
-    result = subprocess.run(
-        [sys.executable, "-c", program],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "torch imported: False" in result.stdout
+    assert "torch imported: False" in run_python(program).stdout
 
 
 def test_a_forked_child_records_on_cpu_streams_as_its_parent_did() -> None:
@@ -190,11 +195,4 @@ if pid == 0:
 _, status = os.waitpid(pid, 0)
 raise SystemExit(os.waitstatus_to_exitcode(status))
 """
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_python(code)
