@@ -130,6 +130,8 @@ async def test_many_waiters_and_a_cancelled_one(cuda_stream: Any) -> None:
         async with anyio.create_task_group() as tg:
             for _ in range(50):
                 tg.start_soon(waiter)
+            # Under load the 50 may not all have reached their await yet.
+            await until(lambda: asyncfence.current_statistics().waiters == 50)
             with anyio.move_on_after(0.01):
                 await fence  # this one times out; the others keep waiting
             assert asyncfence.current_statistics().waiters == 50
@@ -229,15 +231,19 @@ async def test_ten_thousand_fences_on_eight_streams_reuse_pooled_events(
 
     # Events neither pooled for fences nor held by one (the lab's raw events,
     # say, which calibrating busy work uses): the same before and after.
+    # Collect first: a finalizer run between the reads would skew them.
+    gc.collect()
     others = emulator.live_events() - backend.pooled_events() - _events_in_use()
     try:
         await round_of_fences()
+        gc.collect()
         steady = emulator.live_events()
         created = emulator.events_created()
         assert steady == backend.pooled_events() + _events_in_use() + others
         (stats,) = [s for s in asyncfence.backend_statistics() if s.backend == "cuda"]
         assert stats.pooled_markers == backend.pooled_events()
         await round_of_fences()
+        gc.collect()
         assert emulator.events_created() == created  # steady state: no cuEventCreate
         assert emulator.live_events() == steady
         assert backend.pooled_events() <= steady
