@@ -47,13 +47,18 @@ class Config:
             the checks cost. Parked fences that have no completion signal
             (where the native wake shim is not built, or the runtime cannot
             arm one) are re-checked the same way: sleeps growing up to it.
-        recheck_interval: How often, in seconds, parked fences are
+        recheck_interval: How often, in seconds, each parked stream is
             re-queried by the loop's own timer, whatever the signals say. It
-            is a safety net for a device fault, which sends no signal. While
-            re-checks find nothing settled and no new wait parks, the
-            interval doubles, up to 8 times this (0.4 s by default): a
-            parked waiter sees a fault within ``recheck_interval`` of
-            parking, and within 8 times it however long it has waited.
+            is a safety net for a device fault, which sends no signal. Each
+            stream is on its own schedule: while its re-checks find nothing
+            settled and no new wait parks on it, its interval doubles, up
+            to 8 times this (0.4 s by default): a parked waiter sees a fault
+            within ``recheck_interval`` of parking, and within 8 times it
+            however long it has waited. A loop turn re-checks a bounded
+            slice of the due streams, at most 10,000 streams a second, so
+            the cost follows what is due, not what is parked: with more than
+            4,000 streams parked, each is re-checked every
+            ``streams / 10,000`` seconds instead.
     """
 
     strategy: Strategy = "auto"

@@ -244,8 +244,11 @@ def warm_up(*streams: object) -> None:
     The native wake shim is loaded when asyncfence is imported; a CUDA
     stream's first record would import ``cuda.bindings`` and initialise the
     driver, and its first parked wait resolve the driver's host-function
-    entry point, each a blocking call that a running loop should not make
-    (tools such as blockbuster fail it). Call this before the loop runs, or
+    entry point, and an OpenCL queue's first parked wait find the OpenCL
+    library to arm its signal through: each a blocking call that a running
+    loop should not make (tools such as blockbuster fail it; a blocked arm
+    leaves the fence re-checked rather than signalled). Call this before the
+    loop runs, or
     in a server's startup off the loop::
 
         await anyio.to_thread.run_sync(asyncfence.warm_up, stream)
@@ -254,7 +257,8 @@ def warm_up(*streams: object) -> None:
         *streams: Streams of any registered backend, as :func:`record` takes
             them; each backend loads what its first use on that stream needs
             (for CUDA: the driver, the host-function entry point, and an event
-            pooled in the stream's context). None: the shim only.
+            pooled in the stream's context; for OpenCL: its
+            ``clSetEventCallback``). None: the shim only.
 
     Raises:
         TypeError: A stream is not one any backend accepts.

@@ -9,8 +9,9 @@ only on the loop's thread; other threads reach it only through the driver's
 * **parked** fences (:class:`_Parking`) cost the loop nothing until their
   completion signal writes the loop's mailbox fd (the native shim). Without
   the shim they are re-checked on the loop instead, after sleeps that double
-  up to ``poll_cap``. A loop timer re-checks them all every
-  ``recheck_interval`` regardless: no signal comes for a device fault.
+  up to ``poll_cap``. A loop timer re-checks each parked stream regardless,
+  on its own schedule (:class:`~asyncfence._recheck.RecheckSchedule`), a
+  bounded slice per loop turn: no signal comes for a device fault.
 
 How each strategy uses them, and the wake path: ``docs/design.md``
 ("Waiting", "The wake path") and ``docs/waiting.md``.
@@ -38,6 +39,7 @@ from ._native import (
     unavailable_for_good,
     unavailable_reason,
 )
+from ._recheck import RecheckSchedule
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Iterable
@@ -62,10 +64,17 @@ _logger = logging.getLogger("asyncfence.poller")
 _FIRST_SLEEP_S = 50e-6
 # Fences parked per tick at most, yielding to the loop between batches.
 _PARK_BATCH = 128
-#: While re-checks find nothing new, their interval doubles up to this many
-#: times recheck_interval: with every fence signalled they are only a safety
-#: net, and each costs a device query per parked queue.
-RECHECK_BACKOFF_LIMIT = 8
+# Streams re-checked per step at most, yielding to the loop between slices:
+# about 0.1 ms of queries and bookkeeping on a slow core, so that a wake that
+# arrives meanwhile waits no longer than that.
+_RECHECK_SLICE = 16
+# A step also takes the streams due within this fraction of recheck_interval.
+_RECHECK_EARLY = 1 / 16
+#: Streams re-checked per second at most, once more are due than a slice fits:
+#: a few percent of a core. With more streams parked than this many times
+#: 8 * recheck_interval (4,000 by default), each waits its turn, and is
+#: re-checked every streams / RECHECK_RATE seconds (16,384: 1.6 s).
+RECHECK_RATE = 10_000
 
 #: How a loop's parked waits are woken: ``"native"`` (the shim writes the
 #: loop's own mailbox fd) or ``"polling"`` (no shim: re-checked on the loop).
@@ -77,6 +86,9 @@ _shim_warned_lock = threading.Lock()
 # The clock of the fences' ages, whatever the loop (asyncio's loop clock is
 # this one; trio's is its own): a module attribute so that tests can set it.
 _clock = time.monotonic
+# The clock of the re-check schedule; apart from the ages' so that each can be
+# set alone.
+_recheck_clock = time.monotonic
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,6 +412,7 @@ class _Parking:
     (the others complete behind it, and the sweep it triggers finds them). Fences without one
     (no mailbox, or the runtime could not arm it) are *unsignalled*: they are
     re-checked on the loop after sleeps that double up to ``poll_cap``.
+    Every parked stream is re-checked as well, on its own schedule.
     """
 
     def __init__(self, poller: Poller, mailbox: NativeMailbox | None) -> None:
@@ -408,6 +421,7 @@ class _Parking:
         self._parked = FenceSet()
         self._unsignalled: set[FenceCore] = set()
         self._unsignalled_sleep = _FIRST_SLEEP_S
+        self._unsignalled_due = 0.0
         # Armed signals not yet fired, both ways: token by id(fence), fence by
         # token. Weak: a fence whose waiters left is never kept alive by its
         # signal (its collection forgets both); re-parked, it reuses it.
@@ -419,7 +433,9 @@ class _Parking:
         self._fired: dict[FenceCore, None] = {}
         self._rest_pending = False
         self._recheck = self._driver.chain(self._recheck_step)
-        self._recheck_backoff = 1  # times recheck_interval; see RECHECK_BACKOFF_LIMIT
+        self._schedule = RecheckSchedule()
+        # After a full slice, no stream re-check before this (RECHECK_RATE).
+        self._throttled_until = 0.0
         self.signals = 0
         self.rechecks = 0
         self.queries = 0
@@ -462,8 +478,8 @@ class _Parking:
                 self._parked.discard(fired)
         if not self._parked.add(fence):
             return
-        self._recheck_backoff = 1  # a new wait gets the prompt re-check
-        self._unsignalled_sleep = _FIRST_SLEEP_S
+        # A new wait gets its stream's prompt re-check.
+        self._schedule.parked(fence.queue.key, _recheck_clock(), current_config().recheck_interval)
         self._recheck.ensure(self._recheck_delay())
         # Armed first, checked second (in _arm, for the fence that gets the
         # signal); swept on the next loop turn: the waiter may not be
@@ -510,7 +526,9 @@ class _Parking:
                 continue
             if not self._arm_one(fence):
                 self._unsignalled.add(fence)
-                self._recheck.ensure(self._recheck_delay())
+                self._unsignalled_sleep = _FIRST_SLEEP_S
+                self._unsignalled_due = _recheck_clock() + _FIRST_SLEEP_S
+                self._recheck.ensure(_FIRST_SLEEP_S)
             if _settled_now(fence):
                 settled.add(fence.queue.key)
         if settled:
@@ -635,10 +653,17 @@ class _Parking:
         self._unsignalled.discard(fence)
         self._poller.wake(fence, unexpected)
 
-    def _sweep(self, keys: Iterable[Hashable] | None) -> None:
-        """Query the parked fences of ``keys`` (every queue if ``None``) and wake the settled.
+    def _sweep(self, keys: Iterable[Hashable]) -> None:
+        """Query the parked fences of ``keys`` and wake the settled (see :meth:`_progress`)."""
+        self._progress(keys)
+
+    def _progress(self, keys: Iterable[Hashable]) -> set[Hashable]:
+        """Query the parked fences of ``keys`` and wake the settled.
 
         The queues where something settled get their new oldest fence armed.
+
+        Returns:
+            The keys of those queues.
         """
         progressed: set[Hashable] = set()
 
@@ -646,32 +671,65 @@ class _Parking:
             progressed.add(fence.queue.key)
             self._settled(fence, unexpected)
 
-        self.queries += self._parked.sweep(settled, None if keys is None else set(keys))
+        self.queries += self._parked.sweep(settled, set(keys))
         if progressed:
             self._arm(self._parked.heads(progressed))
+        return progressed
 
     # -- re-checks -----------------------------------------------------------------
 
     def _recheck_delay(self) -> float:
+        """Seconds until the next re-check is due (of an unsignalled fence, or a stream)."""
+        now = _recheck_clock()
+        due = self._schedule.next_due()
+        if due is not None:
+            due = max(due, self._throttled_until)
         if self._unsignalled:
-            return self._unsignalled_sleep
-        return current_config().recheck_interval * self._recheck_backoff
+            due = self._unsignalled_due if due is None else min(due, self._unsignalled_due)
+        if due is None:  # nothing scheduled: only a new park schedules again
+            return current_config().recheck_interval
+        return max(due - now, 0.0)
 
     def _recheck_step(self) -> float | None:
+        """Re-check what is due: the unsignalled fences, and a slice of the due streams.
+
+        Each stream has its own schedule (:class:`~asyncfence._recheck.RecheckSchedule`),
+        and a step takes at most a slice of the due ones, at most
+        :data:`RECHECK_RATE` a second, so it costs what is due, never what is
+        parked.
+        """
         if self._fired and not self._rest_pending:
             self._finish_wake()  # left by a wake that a waker raised through
-        if not self._parked:
+        parked = self._parked
+        if not parked:
+            self._schedule = RecheckSchedule()  # whatever it holds is stale
             return None
-        self.rechecks += 1
-        parked = len(self._parked)
-        self._sweep(None)
-        if len(self._parked) < parked:  # something settled: back to the prompt re-check
-            self._recheck_backoff = 1
-            self._unsignalled_sleep = _FIRST_SLEEP_S
-        else:
-            self._recheck_backoff = min(2 * self._recheck_backoff, RECHECK_BACKOFF_LIMIT)
-            self._unsignalled_sleep = min(2 * self._unsignalled_sleep, current_config().poll_cap)
-        return self._recheck_delay() if self._parked else None
+        now = _recheck_clock()
+        queried = False
+        if self._unsignalled and now >= self._unsignalled_due:
+            queried = True
+            found = self._progress({fence.queue.key for fence in self._unsignalled})
+            cap = current_config().poll_cap
+            sleep = _FIRST_SLEEP_S if found else min(2 * self._unsignalled_sleep, cap)
+            self._unsignalled_sleep = sleep
+            self._unsignalled_due = now + sleep
+        interval = current_config().recheck_interval
+        due: list[Hashable] = []
+        if now >= self._throttled_until:
+            # What falls due a little later comes along: fewer, fuller steps.
+            due = self._schedule.take_due(now + interval * _RECHECK_EARLY, _RECHECK_SLICE)
+        if due:
+            queried = True
+            progressed = self._progress(due)
+            for key in due:
+                if parked.has_queue(key):
+                    self._schedule.checked(key, key in progressed, now, interval)
+                else:
+                    self._schedule.forget(key)
+            if len(due) == _RECHECK_SLICE:  # more may be due: they wait their turn
+                self._throttled_until = now + _RECHECK_SLICE / RECHECK_RATE
+        self.rechecks += queried
+        return self._recheck_delay() if parked else None
 
 
 def _settled_now(fence: FenceCore) -> bool:

@@ -92,6 +92,11 @@ def device() -> OpenCLDevice:
     pytest.importorskip("pyopencl")
     opened = open_default_device("opencl")
     assert isinstance(opened, OpenCLDevice)
+    # Off the loop, as a server's startup would: a test's first parked wait
+    # then arms its signal whatever ran before it.
+    stream = opened.new_stream()
+    asyncfence.warm_up(stream)
+    opened.close_stream(stream)
     return opened
 
 

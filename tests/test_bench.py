@@ -770,6 +770,15 @@ def check_every_scenario(
         assert set(per) == {"10", "1000"}
         assert all(figures["lag_p99_s"] >= 0 for figures in per.values())
     assert summary["scale"][POLL]["10"]["tick_mean_s"] > 0
+    smoke = BenchConfig.smoke()
+    at_scale = summary["parked_at_scale"]
+    assert list(at_scale) == [str(size) for size in smoke.scaling_sizes]
+    for size, figures in at_scale.items():
+        assert figures["queues"] == int(size)
+        assert figures["wakes"] == smoke.scaling_released * smoke.scaling_rounds
+        assert 0 < figures["wake_p50_s"] <= figures["wake_p99_s"] < math.inf
+        assert 0 <= figures["lag_p99_s"] <= figures["lag_max_s"]
+        assert figures["queries_per_wake"] >= 1  # each woken fence asked at least once
     if device_row:  # OpenCL: its out-of-order queues, beside in-order ones
         one_by_one = summary["parked_one_by_one"]
         for kind in ("in-order", "out-of-order"):

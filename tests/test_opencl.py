@@ -8,10 +8,12 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import numpy as np
 import pytest
 
 import asyncfence
+from asyncfence._native import shim, unavailable_reason
 from asyncfence.testing import StreamGate, hold
 
 from .conftest import HANG_GUARD_S
@@ -176,8 +178,56 @@ os._exit(0)
 
 
 async def test_warm_up_takes_a_queue_and_refuses_what_is_no_stream(queue: Any) -> None:
-    asyncfence.warm_up(queue)  # nothing more to load for OpenCL: it returns
+    await anyio.to_thread.run_sync(asyncfence.warm_up, queue)  # it blocks: off the loop
     asyncfence.warm_up()
     await asyncfence.record(queue)
     with pytest.raises(TypeError, match="expected"):
         asyncfence.warm_up(queue, object())
+
+
+_FIRST_PARK_UNDER_BLOCKBUSTER = """
+import asyncio, sys
+from blockbuster import blockbuster_ctx
+import asyncfence
+from asyncfence.testing import StreamGate, open_default_device
+
+device = open_default_device("opencl")
+queue = device.new_stream()
+if sys.argv[1] == "warmed":
+    asyncfence.warm_up(queue)
+
+async def main():
+    gate = StreamGate(queue)
+    with blockbuster_ctx("asyncfence"):
+        fence = asyncfence.record(queue)
+        waiter = asyncio.ensure_future(fence.wait(strategy="park"))
+        while asyncfence.current_statistics().parked < 1:
+            await asyncio.sleep(0.001)
+        armed = asyncfence.current_statistics().armed
+        gate.release()
+        await waiter
+    print(armed, asyncfence.current_statistics().signals)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("start", ["cold", "warmed"])
+def test_after_warm_up_the_first_park_arms_its_signal_without_blocking(start: str) -> None:
+    pytest.importorskip("blockbuster")
+    if shim() is None:
+        pytest.skip(f"the native shim is not in use: {unavailable_reason()}")
+    env = {**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"}
+    result = subprocess.run(
+        [sys.executable, "-c", _FIRST_PARK_UNDER_BLOCKBUSTER, start],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=HANG_GUARD_S,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    if start == "cold":  # the first arm finds the OpenCL library: blocked, so re-checked
+        assert result.stdout.split() == ["0", "0"]
+    else:  # armed at once, and woken by its signal
+        assert result.stdout.split() == ["1", "1"]

@@ -16,6 +16,7 @@ import itertools
 import logging
 import random
 import threading
+import time
 import weakref
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
@@ -490,35 +491,121 @@ async def test_many_parked_waiters_on_many_streams(device: OpenCLDevice) -> None
     assert all(fence.done() for fence in fences)
 
 
+class LoopClock:
+    """The poller's clock, stopped at ``now`` until the test lets it run."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._offset: float | None = None
+
+    def __call__(self) -> float:
+        return self.now if self._offset is None else time.monotonic() + self._offset
+
+    def run_free(self) -> None:
+        """From here on, time passes as it does: what the test left due runs on its own."""
+        self._offset = self.now - time.monotonic()
+
+
+@pytest.fixture
+def loop_clock(monkeypatch: pytest.MonkeyPatch) -> LoopClock:
+    """The poller's clock, moved by the test."""
+    clock = LoopClock()
+    monkeypatch.setattr(_poller, "_recheck_clock", clock)
+    return clock
+
+
+def _parking() -> _poller._Parking:
+    parking = current_poller()._parking
+    assert isinstance(parking, _poller._Parking)
+    return parking
+
+
 @pytest.mark.usefixtures("only_signals_wake")
-async def test_rechecks_back_off_while_nothing_settles_and_start_over_when_it_does(
-    device: OpenCLDevice, wake_path: str
+async def test_each_stream_backs_off_alone_and_starts_over_when_it_settles(
+    device: OpenCLDevice, wake_path: str, loop_clock: LoopClock
 ) -> None:
     if wake_path != "native":
         pytest.skip("without the shim, parked fences are re-checked up to every poll_cap")
     interval = asyncfence.configure().recheck_interval
     first_queue, second_queue = device.new_stream(), device.new_stream()
     with hold(first_queue) as first_gate, hold(second_queue):
-        first, second = asyncfence.record(first_queue), asyncfence.record(second_queue)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(partial(first.wait, strategy="park"))
-            await until(lambda: asyncfence.current_statistics().parked == 1)
-            parking = current_poller()._parking
-            assert isinstance(parking, _poller._Parking)
-            # The steps are called directly: what each returns is the next delay.
-            delays = [parking._recheck_step() for _ in range(5)]
-            assert delays == [2 * interval, 4 * interval, 8 * interval, 8 * interval, 8 * interval]
-            tg.start_soon(partial(second.wait, strategy="park"))
-            await until(lambda: asyncfence.current_statistics().parked == 2)
-            assert parking._recheck_delay() == interval  # a new wait: the prompt re-check
-            assert parking._recheck_step() == 2 * interval
-            first_gate.release()
-            first.wait_sync()  # on the loop's thread: its signal cannot be taken meanwhile
-            rechecks = asyncfence.current_statistics().rechecks
-            assert parking._recheck_step() == interval  # it found the first settled
-            assert asyncfence.current_statistics().rechecks == rechecks + 1
-            tg.cancel_scope.cancel()
+        first = asyncfence.record(first_queue)
+        with hold(first_queue):  # a second fence on the first stream, held after the first
+            behind = asyncfence.record(first_queue)
+            second = asyncfence.record(second_queue)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(first.wait, strategy="park"))
+                tg.start_soon(partial(behind.wait, strategy="park"))
+                await until(lambda: asyncfence.current_statistics().parked == 2)
+                parking = _parking()
+                # The steps are called directly: what each returns is the next delay.
+                assert parking._recheck_step() == interval  # nothing due yet
+                assert asyncfence.current_statistics().rechecks == 0
+                delays: list[float] = []
+                for _ in range(5):
+                    loop_clock.now += delays[-1] if delays else interval
+                    delay = parking._recheck_step()
+                    assert delay is not None
+                    delays.append(delay)
+                assert delays == [
+                    2 * interval,
+                    4 * interval,
+                    8 * interval,
+                    8 * interval,
+                    8 * interval,
+                ]
+                assert asyncfence.current_statistics().rechecks == 5
+
+                # A new stream is due within the interval; the backed-off one keeps its own.
+                tg.start_soon(partial(second.wait, strategy="park"))
+                await until(lambda: asyncfence.current_statistics().parked == 3)
+                assert parking._recheck_delay() == interval
+                loop_clock.now += interval
+                queries = asyncfence.current_statistics().queries
+                assert parking._recheck_step() == 2 * interval
+                assert asyncfence.current_statistics().queries == queries + 1  # that stream only
+
+                # The first stream's head settles, its signal not taken yet: its next
+                # re-check finds it, wakes its waiter, and starts over at the interval.
+                first_gate.release()
+                first.wait_sync()  # on the loop's thread: its signal cannot be taken meanwhile
+                loop_clock.now += 7 * interval  # the first stream is due: 8 intervals since
+                parking._recheck_step()
+                assert parking._schedule.next_due() == loop_clock.now + interval
+                await until(lambda: asyncfence.current_statistics().waiters == 2)
+                tg.cancel_scope.cancel()
     assert first.done()
+
+
+@pytest.mark.usefixtures("only_signals_wake")
+async def test_a_recheck_step_takes_a_bounded_slice_of_the_due_streams(
+    device: OpenCLDevice, wake_path: str, loop_clock: LoopClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if wake_path != "native":
+        pytest.skip("without the shim, parked fences are re-checked up to every poll_cap")
+    monkeypatch.setattr(_poller, "_RECHECK_SLICE", 2)
+    monkeypatch.setattr(_poller, "RECHECK_RATE", 1000)  # a full slice, then 2 ms
+    interval = asyncfence.configure().recheck_interval
+    queues = [device.new_stream() for _ in range(5)]
+    async with parked_on_held(queues) as (gates, _):
+        parking = _parking()
+        loop_clock.now += interval
+        slices: list[tuple[int, object]] = []
+        for advance in (0.0, 0.0, 0.002, 0.002):
+            loop_clock.now += advance
+            queries = asyncfence.current_statistics().queries
+            delay = parking._recheck_step()
+            slices.append((asyncfence.current_statistics().queries - queries, delay))
+        # Two streams a step, at most a slice per 2 ms (called early, a step
+        # takes none), then the last one; then the first two, backed off.
+        assert slices == [
+            (2, pytest.approx(0.002)),
+            (0, pytest.approx(0.002)),
+            (2, pytest.approx(0.002)),
+            (1, pytest.approx(2 * interval - 0.004)),
+        ]
+        for gate in gates:
+            gate.release()
 
 
 @pytest.mark.usefixtures("quick_recheck")
@@ -940,7 +1027,7 @@ async def test_a_thousand_parked_waits_start_no_thread(
 
 @pytest.mark.usefixtures("without_shim", "no_thread_from_asyncfence")
 async def test_without_the_shim_parked_waits_are_rechecked_backing_off_to_poll_cap(
-    device: OpenCLDevice,
+    device: OpenCLDevice, loop_clock: LoopClock
 ) -> None:
     asyncfence.configure(poll_cap=0.004)
     first_queue, second_queue = device.new_stream(), device.new_stream()
@@ -954,16 +1041,22 @@ async def test_without_the_shim_parked_waits_are_rechecked_backing_off_to_poll_c
             assert isinstance(parking, _poller._Parking)
             assert parking.wake_path == "polling"
             assert asyncfence.current_statistics().armed == 0
-            # The steps are called directly: what each returns is the next delay
-            # (the loop's timer may have run a few already).
-            delays = [parking._recheck_step() for _ in range(8)]
+            # The steps are called directly, each when due: what each returns
+            # is the next delay.
+            delays: list[float | None] = [parking._recheck_delay()]
+            for _ in range(8):
+                loop_clock.now += delays[-1] or 0.0
+                delays.append(parking._recheck_step())
+            assert delays[0] == pytest.approx(50e-6)
             for earlier, later in itertools.pairwise(delays):
                 assert earlier is not None
                 assert later == pytest.approx(min(2 * earlier, 0.004))
             assert delays[-1] == pytest.approx(0.004)
             first_gate.release()
             first.wait_sync()
+            loop_clock.now += 0.004
             assert parking._recheck_step() == pytest.approx(50e-6)  # it found one settled
+            loop_clock.run_free()
             second_gate.release()
     assert first.done()
     assert second.done()

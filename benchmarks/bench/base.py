@@ -147,6 +147,10 @@ class BenchConfig:
         drop_objects: Objects deferred in the drop-queue scenario.
         one_by_one_fences: Parked fences completing one by one, on an in-order
             and on an out-of-order queue.
+        scaling_sizes: Held queues, one parked fence each, in the scaling scenario.
+        scaling_released: Gates released one by one per round there.
+        scaling_gap_s: Seconds between those releases.
+        scaling_rounds: Rounds of releases per size.
         trial_timeout_s: The bound on any single wait elsewhere.
         probe_timeout_s: The bound on each contender's probe at setup.
     """
@@ -173,6 +177,10 @@ class BenchConfig:
     streams: int = 64
     drop_objects: int = 100_000
     one_by_one_fences: int = 2000
+    scaling_sizes: tuple[int, ...] = (64, 1024, 16384)
+    scaling_released: int = 64
+    scaling_gap_s: float = 0.002
+    scaling_rounds: int = 3
     trial_timeout_s: float = 5.0
     probe_timeout_s: float = 5.0
 
@@ -200,6 +208,9 @@ class BenchConfig:
             streams=16,
             drop_objects=10_000,
             one_by_one_fences=50,
+            scaling_sizes=(64, 256),
+            scaling_released=16,
+            scaling_rounds=1,
         )
 
 
@@ -220,6 +231,8 @@ class Results:
         one_by_one: Per queue kind, parked fences completing one by one: how
             many, the wall time and the loop thread's CPU time in seconds,
             and the device queries and signals per fence.
+        parked_scaling: Per number of held queues (one parked fence each),
+            the wake latencies and loop lag while some are released.
         completed: Scenario keys in the order they finished.
     """
 
@@ -232,6 +245,7 @@ class Results:
     drop: dict[str, dict[str, float]] = field(default_factory=dict)
     signal_hold: dict[str, list[float]] = field(default_factory=dict)
     one_by_one: dict[str, dict[str, float]] = field(default_factory=dict)
+    parked_scaling: dict[int, dict[str, float]] = field(default_factory=dict)
     completed: list[str] = field(default_factory=list)
 
 

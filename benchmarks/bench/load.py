@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import threading
 import time
@@ -10,12 +11,13 @@ import tracemalloc
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 
 import asyncfence
 from asyncfence.testing import OpenCLDevice, StreamGate
 
 from ..measure import loop_lag, os_thread_count, percentile, python_threads_cpu, rss_bytes
-from .base import PARK, gather
+from .base import PARK, Releaser, gather
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "cpu_while_parked",
     "cpu_while_waiting",
+    "parked_at_scale",
     "parked_one_by_one",
     "parked_queues",
     "scale",
@@ -300,4 +303,93 @@ async def _one_by_one(park: Contender, stream: Any, count: int) -> dict[str, flo
         # the runtime.
         "queries_per_fence": (after.queries - before.queries) / count,
         "signals_per_fence": (after.signals - before.signals) / count,
+    }
+
+
+async def parked_at_scale(ctx: Context) -> None:
+    """One parked fence on each of 64, 1,024 and 16,384 held queues, a few released 2 ms apart.
+
+    ``asyncfence park`` only: what grows with the parked fences. Per size,
+    every wait parks, then a releaser thread releases ``scaling_released``
+    gates one by one, ``scaling_gap_s`` apart, stamping each, for
+    ``scaling_rounds`` rounds (each round's waits awaited before the next).
+    The releases start as soon as every wait is parked, so the first
+    re-checks of all of them fall inside the window. A wake's latency runs
+    from its gate's stamp to its task's resumption; the loop's lag is what a
+    probe task that yields once a millisecond waits to run again, over the
+    whole window.
+    """
+    target, config = ctx.target, ctx.config
+    park = next((c for c in ctx.entrants if c.name == PARK), None)
+    if park is None:
+        return
+    for size in config.scaling_sizes:
+        streams = [target.device.new_stream() for _ in range(size)]
+        try:
+            ctx.results.parked_scaling[size] = await _parked_at_scale(park, streams, config)
+        finally:
+            for stream in streams:
+                target.device.close_stream(stream)
+
+
+async def _parked_at_scale(park: Contender, streams: list[Any], config: Any) -> dict[str, float]:
+    size = len(streams)
+    rng = random.Random(12)
+    gates = [StreamGate(stream) for stream in streams]
+    tokens = [park.record(stream) for stream in streams]
+    resumed = [math.nan] * size
+    chosen = rng.sample(range(size), min(size, config.scaling_released * config.scaling_rounds))
+    wakes: list[float] = []
+    lags: list[float] = []
+    probing = True
+
+    async def wait(index: int) -> None:
+        await park.wait(tokens[index])
+        resumed[index] = time.perf_counter()
+
+    async def probe() -> None:
+        while probing:
+            sent = time.perf_counter()
+            await anyio.lowlevel.checkpoint()
+            lags.append(time.perf_counter() - sent)
+            await anyio.sleep(0.001)
+
+    try:
+        with anyio.fail_after(_RELEASE_ALL_TIMEOUT_S + size * 1e-3):
+            async with anyio.create_task_group() as tg:
+                for index in range(size):
+                    tg.start_soon(wait, index)
+                while asyncfence.current_statistics().parked < size:  # noqa: ASYNC110
+                    await anyio.sleep(0.001)
+                before = asyncfence.current_statistics()
+                tg.start_soon(probe)
+                with Releaser() as releaser:
+                    for start in range(0, len(chosen), config.scaling_released):
+                        batch = chosen[start : start + config.scaling_released]
+                        stamps = releaser.release_in_turn(
+                            (config.scaling_gap_s, gates[index]) for index in batch
+                        )
+                        while any(math.isnan(resumed[index]) for index in batch):  # noqa: ASYNC110
+                            await anyio.sleep(0.001)
+                        wakes += [
+                            resumed[i] - stamp for i, stamp in zip(batch, stamps, strict=True)
+                        ]
+                probing = False
+                after = asyncfence.current_statistics()
+                for gate in gates:
+                    gate.release()
+    finally:
+        for gate in gates:
+            gate.release()  # no-ops once released
+    for token in tokens:
+        park.done(token)
+    return {
+        "queues": float(size),
+        "wakes": float(len(wakes)),
+        "wake_p50_s": percentile(wakes, 0.5),
+        "wake_p99_s": percentile(wakes, 0.99),
+        "lag_p99_s": percentile(lags, 0.99),
+        "lag_max_s": max(lags, default=math.nan),
+        "rechecks": float(after.rechecks - before.rechecks),
+        "queries_per_wake": (after.queries - before.queries) / max(len(wakes), 1),
     }

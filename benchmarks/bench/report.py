@@ -191,6 +191,10 @@ def summarize(results: Results) -> dict[str, Any]:
                 ),
             }
         summary["parked_one_by_one"] = kinds
+    if results.parked_scaling:
+        summary["parked_at_scale"] = {
+            str(size): figures for size, figures in sorted(results.parked_scaling.items())
+        }
     if results.signal_hold:
         summary["signal_hold"] = {
             name: {"p50_us": percentile(s, 0.5) * 1e6, "max_us": max(s) * 1e6, "trials": len(s)}
@@ -486,6 +490,36 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
                 for n, f in rates.items()
             ],
             ["On short work, one stream per task; vs to_thread: as a multiple of to_thread's."],
+        )
+    if "parked_at_scale" in summary:
+        per_size = summary["parked_at_scale"]
+        released = int(next(iter(per_size.values()))["wakes"])
+        result[f"parked fences at scale (asyncfence park): {released} released one by one"] = Table(
+            [
+                "queues",
+                "wake p50 µs",
+                "wake p99 µs",
+                "loop lag p99 µs",
+                "loop lag max µs",
+                "re-checks",
+                "queries per wake",
+            ],
+            [
+                [
+                    f"{int(f['queues']):,}",
+                    _number(f["wake_p50_s"] * 1e6),
+                    _number(f["wake_p99_s"] * 1e6),
+                    _number(f["lag_p99_s"] * 1e6),
+                    _number(f["lag_max_s"] * 1e6),
+                    _number(f["rechecks"]),
+                    _number(f["queries_per_wake"], 2),
+                ]
+                for f in per_size.values()
+            ],
+            [
+                "One parked fence per held queue; the gates released 2 ms apart by a thread. "
+                "Flat from the fewest queues to the most is the aim: lower is better."
+            ],
         )
     if "scale" in summary:
         scale = summary["scale"]

@@ -148,6 +148,15 @@ SCENARIOS: list[Scenario] = [
         backends=frozenset({"opencl"}),  # out-of-order queues are OpenCL's
     ),
     Scenario(
+        "parked_at_scale",
+        "parked fences on 64 to 16,384 queues, a few released one by one",
+        load.parked_at_scale,
+        lambda c, n: sum(
+            s * 1.5e-4 + c.scaling_rounds * c.scaling_released * (c.scaling_gap_s + 1e-3)
+            for s in c.scaling_sizes
+        ),
+    ),
+    Scenario(
         "drop_queue",
         "the drop queue beside a lazy free-at-next-allocation pool",
         drop.drop_queue,

@@ -166,6 +166,12 @@ class OpenCLBackend(Backend["cl.Event"]):
             raise DeviceError(self.name, code, _status_name(code), "clSetEventCallback failed")
         return True
 
+    def warm_up(self, stream: object) -> None:
+        # The first armed signal would find the OpenCL library pyopencl
+        # loaded (reading /proc/self/maps, globbing its folder): on a running
+        # loop, a blocking call.
+        _set_event_callback()
+
     def runtime_initialised(self) -> bool:
         # A platform was made once the ICD loader has loaded a vendor library
         # (PoCL's, say): pyopencl's import alone loads only the loader.
