@@ -91,6 +91,11 @@ class FenceCore:
         state = ("pending", "done", "failed")[self.state]
         return f"<asyncfence.Fence {self.backend.name} #{self.seq} {state}>"
 
+    def __lt__(self, other: FenceCore) -> bool:
+        # Record order, for the parked and polled sets' heaps: no (seq, fence)
+        # tuple per member.
+        return self.seq < other.seq
+
     def __del__(self) -> None:
         marker = self._marker
         # In a forked child the parent's runtime may hold locks: leave it be.

@@ -171,33 +171,29 @@ class Fence:
         """
         seconds = check_timeout(timeout)
         chosen = current_config().strategy if strategy is None else check_strategy(strategy)
-        await _wait(self._core, seconds, chosen)
+        # The wait is written here, not in a helper coroutine: each frame a
+        # parked task holds is memory per wait, a hundred thousand of them
+        # in a busy server.
+        core = self._core
+        driver = current_driver()
+        if core.poll() != PENDING or seconds == 0:
+            await driver.checkpoint()  # a checkpoint, even when there is nothing to wait for
+            _settled_outcome(core, seconds)
+            return
+        poller = poller_of(driver)
+        waiter = driver.new_waiter()
+        woken = False
+        try:
+            poller.add(core, waiter, chosen)
+            woken = await driver.suspend(waiter, seconds)
+        finally:
+            if not woken:  # cancelled, timed out or failed: a wake unregisters its waiters
+                poller.discard(core, waiter)
+        if not woken:
+            _settled_outcome(core, seconds)
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
-
-
-async def _wait(core: FenceCore, seconds: float, strategy: Strategy) -> None:
-    """Wait for ``core`` on whichever loop runs the calling task.
-
-    Always a checkpoint; always unregisters, however the wait ends.
-    """
-    driver = current_driver()
-    if core.poll() != PENDING or seconds == 0:
-        await driver.checkpoint()  # a checkpoint, even when there is nothing to wait for
-        _settled_outcome(core, seconds)
-        return
-    poller = poller_of(driver)
-    waiter = driver.new_waiter()
-    woken = False
-    try:
-        poller.add(core, waiter, strategy)
-        woken = await driver.suspend(waiter, seconds, lambda: poller.discard(core, waiter))
-    finally:
-        if not woken:  # cancelled, timed out or failed: a wake unregisters its waiters
-            poller.discard(core, waiter)
-    if not woken:
-        _settled_outcome(core, seconds)
 
 
 def _settled_outcome(core: FenceCore, seconds: float) -> None:

@@ -40,7 +40,7 @@ class _Stream:
     __slots__ = ("heap", "members")
 
     def __init__(self) -> None:
-        self.heap: list[tuple[int, FenceCore]] = []
+        self.heap: list[FenceCore] = []  # ordered by FenceCore.__lt__: record order
         self.members = 0
 
 
@@ -84,7 +84,7 @@ class FenceSet:
         if stream is None:
             stream = self._streams[key] = _Stream()
         stream.members += 1
-        heapq.heappush(stream.heap, (fence.seq, fence))
+        heapq.heappush(stream.heap, fence)
         return True
 
     def discard(self, fence: FenceCore) -> None:
@@ -98,7 +98,7 @@ class FenceSet:
         if not stream.members:
             del self._streams[key]  # and with it every stale heap entry
         elif len(stream.heap) > 2 * stream.members + _COMPACT_SLACK:
-            stream.heap = [entry for entry in stream.heap if entry[1] in self._members]
+            stream.heap = [entry for entry in stream.heap if entry in self._members]
             heapq.heapify(stream.heap)
 
     def clear(self) -> None:
@@ -108,9 +108,9 @@ class FenceSet:
 
     def _oldest(self, stream: _Stream) -> FenceCore | None:
         heap = stream.heap
-        while heap and heap[0][1] not in self._members:  # drop stale entries
+        while heap and heap[0] not in self._members:  # drop stale entries
             heapq.heappop(heap)
-        return heap[0][1] if heap else None
+        return heap[0] if heap else None
 
     def needs_own_signal(self, fence: FenceCore) -> bool:
         """Whether nothing but its own signal would tell when ``fence`` completes.

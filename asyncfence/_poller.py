@@ -20,7 +20,6 @@ How each strategy uses them, and the wake path: ``docs/design.md``
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import threading
 import time
@@ -42,7 +41,7 @@ from ._native import (
 from ._recheck import RecheckSchedule
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable, Iterable
+    from collections.abc import Hashable, Iterable, Iterator
 
     from ._config import Strategy
     from ._core import FenceCore
@@ -145,19 +144,58 @@ class PollerStatistics:
     stuck_fences: int | None = None
 
 
-class _Waits(dict["Waiter", "Strategy"]):
-    """The waits on one fence, and when the first of them began (``time.monotonic()``).
+class _Waits:
+    """The waits on one fence, each waiter's strategy, and when the first began.
 
     A fence's entry is made when it gains its first wait and dropped when it
-    has none left, so a poller's entries are in the order of their ``since``:
-    the oldest pending fence is the first, at no cost on the wake path.
+    has none left, so a poller's entries are in the order of their ``since``
+    (``time.monotonic()``): the oldest pending fence is the first, at no cost
+    on the wake path. One wait, the usual case, is held inline: a dict per
+    fence would cost a parked wait a fifth of its memory.
     """
 
-    __slots__ = ("since",)
+    __slots__ = ("_more", "_strategy", "_waiter", "since")
 
     def __init__(self) -> None:
-        super().__init__()
         self.since = _clock()
+        self._waiter: Waiter | None = None
+        self._strategy: Strategy = "park"
+        self._more: dict[Waiter, Strategy] | None = None  # from the second wait on
+
+    def __setitem__(self, waiter: Waiter, strategy: Strategy) -> None:
+        more = self._more
+        if more is not None:
+            more[waiter] = strategy
+        elif self._waiter is None or self._waiter is waiter:
+            self._waiter, self._strategy = waiter, strategy
+        else:
+            self._more = {self._waiter: self._strategy, waiter: strategy}
+            self._waiter = None
+
+    def pop(self, waiter: Waiter) -> Strategy | None:
+        """Forget ``waiter``; its strategy, or ``None`` if it was not here."""
+        if self._more is not None:
+            return self._more.pop(waiter, None)
+        if self._waiter is not waiter:
+            return None
+        self._waiter = None
+        return self._strategy
+
+    def __len__(self) -> int:
+        if self._more is not None:
+            return len(self._more)
+        return int(self._waiter is not None)
+
+    def __iter__(self) -> Iterator[Waiter]:
+        if self._more is not None:
+            return iter(list(self._more))
+        return iter(() if self._waiter is None else (self._waiter,))
+
+    def wants(self, strategy: Strategy) -> bool:
+        """Whether any of the waits asked for ``strategy``."""
+        if self._more is not None:
+            return strategy in self._more.values()
+        return self._waiter is not None and self._strategy == strategy
 
 
 class Poller:
@@ -218,7 +256,7 @@ class Poller:
         waiters = self._waiters.get(fence)
         if waiters is None:
             return
-        strategy = waiters.pop(waiter, None)
+        strategy = waiters.pop(waiter)
         if strategy is None:
             return
         self._waiter_count -= 1
@@ -226,7 +264,7 @@ class Poller:
             self._eager[fence] -= 1
             if not self._eager[fence]:
                 del self._eager[fence]
-                if "auto" in waiters.values():
+                if waiters.wants("auto"):
                     self._auto_only.add(fence)
                 else:  # only "park" waits are left, and they are parked
                     self._polled.discard(fence)
@@ -422,12 +460,12 @@ class _Parking:
         self._unsignalled: set[FenceCore] = set()
         self._unsignalled_sleep = _FIRST_SLEEP_S
         self._unsignalled_due = 0.0
-        # Armed signals not yet fired, both ways: token by id(fence), fence by
-        # token. Weak: a fence whose waiters left is never kept alive by its
-        # signal (its collection forgets both); re-parked, it reuses it.
-        self._token_of: dict[int, int] = {}
-        self._fence_of: dict[int, weakref.ref[FenceCore]] = {}
-        self._tokens = itertools.count(1)
+        # Armed signals not yet fired, by token: a signal's token is its
+        # fence's id(). Weak, so a fence whose waiters left is never kept
+        # alive by its signal; re-parked, it reuses it. A token may outlive
+        # its fence and name a newer one with the same id: that one is then
+        # polled early, found pending and armed again, as for any early signal.
+        self._armed: dict[int, weakref.ref[FenceCore]] = {}
         self._rearm_scheduled = False
         # Fences whose signal fired, left for the rest of the wake (in order).
         self._fired: dict[FenceCore, None] = {}
@@ -465,7 +503,7 @@ class _Parking:
     @property
     def armed(self) -> int:
         """Parked fences with an armed signal."""
-        return sum(1 for ref in self._fence_of.values() if ref() in self._parked)
+        return sum(1 for ref in self._armed.values() if ref() in self._parked)
 
     def park(self, fence: FenceCore) -> None:
         """Watch ``fence`` for its waiters; what it finds settled, it wakes on the next turn."""
@@ -539,7 +577,7 @@ class _Parking:
         mailbox = self._mailbox
         if mailbox is None:
             return False
-        token = next(self._tokens)
+        token = id(fence)
         try:
             signal, slot = mailbox.signal(token)
         except MemoryError:
@@ -552,22 +590,13 @@ class _Parking:
         if result != "armed":
             mailbox.discard(slot)
             return result == "settled"  # settled: the caller's check sweeps it
-        self._token_of[id(fence)] = token
-        self._fence_of[token] = weakref.ref(
-            fence, functools.partial(self._forget_token, token, id(fence))
-        )
+        self._armed[token] = weakref.ref(fence)
         return True
 
     def _has_signal(self, fence: FenceCore) -> bool:
         """Whether ``fence`` has an armed signal that has not fired yet."""
-        token = self._token_of.get(id(fence))
-        ref = None if token is None else self._fence_of.get(token)
+        ref = self._armed.get(id(fence))
         return ref is not None and ref() is fence
-
-    def _forget_token(self, token: int, fence_id: int, _dead: object) -> None:
-        """A fence with an armed signal was collected: its token means nothing now."""
-        self._fence_of.pop(token, None)
-        self._token_of.pop(fence_id, None)
 
     # -- the wake ------------------------------------------------------------------
 
@@ -594,7 +623,7 @@ class _Parking:
         # With one signal armed, it is the one that fired: no need to ask the
         # shim. Should its fence be pending still (a collected fence's signal
         # made the fd readable, say), the rest of the wake arms it again.
-        sole = list(self._fence_of) if len(self._fence_of) == 1 else None
+        sole = list(self._armed) if len(self._armed) == 1 else None
         if self._wake_signalled(sole or mailbox.take_undrained()):
             self._rest_pending = True
             return True
@@ -610,11 +639,10 @@ class _Parking:
         poller = self._poller
         fired = self._fired
         for token in tokens:
-            ref = self._fence_of.pop(token, None)
+            ref = self._armed.pop(token, None)
             fence = None if ref is None else ref()
             if fence is None:
                 continue  # its waiters left and it is gone: harmless
-            self._token_of.pop(id(fence), None)
             self.signals += 1
             fired[fence] = None
             self.queries += fence.state == PENDING
@@ -703,6 +731,9 @@ class _Parking:
         parked = self._parked
         if not parked:
             self._schedule = RecheckSchedule()  # whatever it holds is stale
+            # Signals of collected fences that never fired (a faulted
+            # context runs no host function) would otherwise stay.
+            self._armed = {token: ref for token, ref in self._armed.items() if ref() is not None}
             return None
         now = _recheck_clock()
         queried = False

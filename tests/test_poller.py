@@ -805,16 +805,19 @@ async def test_a_signal_that_comes_before_its_fence_completes_arms_it_again(
             await until(lambda: asyncfence.current_statistics().armed == 1)
             parking = current_poller()._parking
             assert isinstance(parking, _poller._Parking)
-            token = parking._token_of[id(fence._core)]
+            live_slots = native.live_slots()
             signals = asyncfence.current_statistics().signals
             # A signal with the fence's token while the fence is still held,
             # as from a runtime that calls back before its status reads so.
             assert parking._mailbox is not None
-            _, slot = parking._mailbox.signal(token)
+            _, slot = parking._mailbox.signal(id(fence._core))
             ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.fire)(slot)
-            await until(lambda: parking._token_of.get(id(fence._core), token) != token)
-            assert asyncfence.current_statistics().signals == signals + 1
+            await until(lambda: asyncfence.current_statistics().signals == signals + 1)
+            await until(lambda: not parking._fired and not parking._rest_pending)
             assert not fence.done()
+            # Armed again: a new slot beside the first, which the runtime holds still.
+            assert parking._has_signal(fence._core)
+            assert native.live_slots() == live_slots + 1
             gate.release()  # its new signal wakes it: the re-check is 30 s away
             with anyio.fail_after(10):
                 await until(fence.done)

@@ -200,8 +200,8 @@ class WakeProtocol(RuleBasedStateMachine):
             score = 4  # a fence settled elsewhere, its waiters not woken, the rest pending
         elif parking._rest_pending and awaited_fired:
             score = 3  # the wake looked, found it pending, and left the rest for later
-        elif native.live_slots() > len(parking._fence_of):  # a signal armed for no one
-            score = 2 if len(parking._fence_of) == 1 else 1  # 2: the wake would guess
+        elif native.live_slots() > len(parking._armed):  # a signal armed for no one
+            score = 2 if len(parking._armed) == 1 else 1  # 2: the wake would guess
         else:
             score = 0
         self.steering = max(self.steering, score)

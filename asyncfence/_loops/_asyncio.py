@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Final
 from ._driver import guarded, read_guarded, retry_delay
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from ._driver import Waiter
 
@@ -118,21 +118,23 @@ class AsyncioDriver:
     async def checkpoint(self) -> None:
         await asyncio.sleep(0)
 
-    async def suspend(self, waiter: Waiter, seconds: float, abort: Callable[[], None]) -> bool:
+    def suspend(self, waiter: Waiter, seconds: float) -> Awaitable[bool]:
         assert isinstance(waiter, _FutureWaiter)
-        timer = None
-        if seconds != math.inf:
-            loop = self._loop()
-            assert loop is not None
-            timer = loop.call_later(seconds, _expire, waiter.future)
-        # No abort(): a cancellation unwinds through the caller, which
-        # unregisters the waiter, and a wake that comes late finds its future
-        # done.
+        # A cancellation cancels the future and unwinds through the caller,
+        # which unregisters the waiter; a wake that comes late finds the
+        # future done.
+        if seconds == math.inf:
+            return waiter.future  # awaited as it is: no frame of its own
+        return self._suspend_for(waiter.future, seconds)
+
+    async def _suspend_for(self, future: asyncio.Future[bool], seconds: float) -> bool:
+        loop = self._loop()
+        assert loop is not None
+        timer = loop.call_later(seconds, _expire, future)
         try:
-            return await waiter.future
+            return await future
         finally:
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
 
     # -- for the poller ----------------------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from .._config import current_config
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
 __all__ = ["Chain", "LoopDriver", "Waiter", "guarded", "read_guarded", "retry_delay"]
 
@@ -73,12 +73,13 @@ class LoopDriver(Protocol):
         """Yield to the loop, honouring cancellation."""
         ...
 
-    async def suspend(self, waiter: Waiter, seconds: float, abort: Callable[[], None]) -> bool:
-        """Sleep until ``waiter`` is woken (True) or ``seconds`` pass (False).
+    def suspend(self, waiter: Waiter, seconds: float) -> Awaitable[bool]:
+        """What to await until ``waiter`` is woken (True) or ``seconds`` pass (False).
 
-        ``abort()`` unregisters the waiter, for a loop that must be told at
-        once that a cancelled task will not be woken (trio's abort function).
-        The caller unregisters it too, however the wait ends unwoken.
+        Cancelled, it raises the loop's cancellation; a wake that comes after
+        that, or after the timeout, is a no-op. The caller unregisters the
+        waiter however the wait ends unwoken. Without a timeout it should
+        cost no frame of its own (asyncio's is the waiter's future).
         """
         ...
 

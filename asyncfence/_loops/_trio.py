@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._driver import guarded, read_guarded, retry_delay
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     import trio
 
@@ -85,6 +85,16 @@ class _TaskWaiter:
     def __init__(self, task: trio.lowlevel.Task) -> None:
         self.task: trio.lowlevel.Task | None = task
 
+    def abort(self, _raise_cancel: object) -> trio.lowlevel.Abort:
+        """Trio's abort function: the task is cancelled, so no wake may reschedule it.
+
+        The wait unregisters the waiter as it unwinds.
+        """
+        import trio
+
+        self.task = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
     def wake(self, error: BaseException | None) -> None:
         import outcome
         import trio
@@ -94,6 +104,15 @@ class _TaskWaiter:
             return  # one reschedule per wait, whatever happens
         result = outcome.Value(True) if error is None else outcome.Error(error)
         trio.lowlevel.reschedule(task, result)
+
+
+async def _suspend_for(waiter: _TaskWaiter, seconds: float) -> bool:
+    import trio
+
+    with trio.move_on_after(seconds):
+        woken: bool = await trio.lowlevel.wait_task_rescheduled(waiter.abort)
+        return woken
+    return False
 
 
 class TrioDriver:
@@ -122,17 +141,15 @@ class TrioDriver:
 
         await trio.lowlevel.checkpoint()
 
-    async def suspend(self, waiter: Waiter, seconds: float, abort: Callable[[], None]) -> bool:
+    def suspend(self, waiter: Waiter, seconds: float) -> Awaitable[bool]:
         import trio
 
-        def abort_wait(_raise_cancel: Any) -> trio.lowlevel.Abort:
-            abort()
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        with trio.move_on_after(seconds):
-            woken: bool = await trio.lowlevel.wait_task_rescheduled(abort_wait)
+        assert isinstance(waiter, _TaskWaiter)
+        if seconds == math.inf:  # trio's own coroutine, as it is: no frame of ours
+            # Awaited by the caller, at once.
+            woken: Awaitable[bool] = trio.lowlevel.wait_task_rescheduled(waiter.abort)  # noqa: ASYNC105
             return woken
-        return False
+        return _suspend_for(waiter, seconds)
 
     # -- for the poller ----------------------------------------------------------
 

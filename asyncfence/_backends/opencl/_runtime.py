@@ -6,6 +6,7 @@ asyncfence never needs OpenCL installed to import or to use CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -91,8 +92,15 @@ class OpenCLBackend(Backend["cl.Event"]):
 
     def _queue_info(self, queue: cl.CommandQueue) -> QueueInfo:
         # Out-of-order queues too: a marker with no wait list waits for every
-        # command enqueued before it, earlier markers included.
-        return QueueInfo(queue.int_ptr, domain=queue.context.int_ptr)
+        # command enqueued before it, earlier markers included. Kept on the
+        # queue (which takes no weak reference): its context is a property
+        # that makes a wrapper on every read.
+        info: QueueInfo | None = getattr(queue, _QUEUE_INFO_ATTRIBUTE, None)
+        if info is None:
+            info = QueueInfo(queue.int_ptr, domain=queue.context.int_ptr)
+            with contextlib.suppress(AttributeError):  # a queue without a __dict__
+                setattr(queue, _QUEUE_INFO_ATTRIBUTE, info)
+        return info
 
     def record(self, stream: object) -> tuple[cl.Event, QueueInfo]:
         import pyopencl as cl
@@ -220,6 +228,8 @@ class OpenCLBackend(Backend["cl.Event"]):
 
 
 _CL_COMPLETE = 0
+# Where a queue keeps its QueueInfo.
+_QUEUE_INFO_ATTRIBUTE = "_asyncfence_queue_info"
 _set_event_callback_function: Any = None
 
 
