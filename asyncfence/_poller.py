@@ -41,7 +41,7 @@ from ._native import (
 from ._recheck import RecheckSchedule
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable, Iterable, Iterator
+    from collections.abc import Hashable, Iterable
 
     from ._config import Strategy
     from ._core import FenceCore
@@ -186,10 +186,11 @@ class _Waits:
             return len(self._more)
         return int(self._waiter is not None)
 
-    def __iter__(self) -> Iterator[Waiter]:
+    def all(self) -> tuple[Waiter, ...]:
+        """The waiters, in the order they came."""
         if self._more is not None:
-            return iter(list(self._more))
-        return iter(() if self._waiter is None else (self._waiter,))
+            return tuple(self._more)
+        return () if self._waiter is None else (self._waiter,)
 
     def wants(self, strategy: Strategy) -> bool:
         """Whether any of the waits asked for ``strategy``."""
@@ -290,10 +291,11 @@ class Poller:
         waiters = self._waiters.pop(fence, None)
         if waiters is None:
             return
-        self._waiter_count -= len(waiters)
+        woken = waiters.all()
+        self._waiter_count -= len(woken)
         self._forget(fence)
         surfaced: BaseException | None = None
-        for waiter in waiters:
+        for waiter in woken:
             try:
                 waiter.wake(unexpected or fence.outcome())
             except (KeyboardInterrupt, SystemExit) as interrupt:
@@ -516,9 +518,11 @@ class _Parking:
                 self._parked.discard(fired)
         if not self._parked.add(fence):
             return
-        # A new wait gets its stream's prompt re-check.
-        self._schedule.parked(fence.queue.key, _recheck_clock(), current_config().recheck_interval)
-        self._recheck.ensure(self._recheck_delay())
+        # A new wait gets its stream's prompt re-check; the chain is already
+        # due by then unless that made it sooner.
+        interval = current_config().recheck_interval
+        if self._schedule.parked(fence.queue.key, _recheck_clock(), interval):
+            self._recheck.ensure(self._recheck_delay())
         # Armed first, checked second (in _arm, for the fence that gets the
         # signal); swept on the next loop turn: the waiter may not be
         # suspended yet.

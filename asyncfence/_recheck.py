@@ -47,12 +47,18 @@ class RecheckSchedule:
         """How many streams have a re-check scheduled."""
         return len(self._due)
 
-    def parked(self, key: Hashable, now: float, interval: float) -> None:
-        """A fence parked on stream ``key``: it is re-checked within ``interval``."""
+    def parked(self, key: Hashable, now: float, interval: float) -> bool:
+        """A fence parked on stream ``key``: it is re-checked within ``interval``.
+
+        Returns:
+            Whether that made its re-check sooner (else one was due by then).
+        """
         self._backoff[key] = 1
         due = now + interval
-        if self._due.get(key, due + 1.0) > due:
-            self._schedule(key, due)
+        if self._due.get(key, due + 1.0) <= due:
+            return False
+        self._schedule(key, due)
+        return True
 
     def checked(self, key: Hashable, settled: bool, now: float, interval: float) -> None:
         """Stream ``key`` was re-checked: when next, by whether anything had settled."""
