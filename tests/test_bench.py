@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -890,3 +891,40 @@ def test_quick_bench_on_the_emulated_cuda_driver(
     for figures in hold.values():
         assert 0 <= figures["p50_us"] <= figures["max_us"]
     assert "holds its stream" in result.stdout
+
+
+# -- the wake-cost lab script (benchmarks/wake_cost.py) ---------------------------------
+
+
+def _wake_cost(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.wake_cost", *arguments],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+        timeout=600,
+        check=False,
+    )
+
+
+def test_wake_cost_traces_more_memory_per_parked_wait_than_per_plain_one() -> None:
+    result = _wake_cost("memory", "--fences", "50")
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout)
+    assert figures["loop"] == "asyncio"
+    # A parked wait is a waiting task and more: its fence, its registration.
+    assert 0 < figures["plain_wait_bytes"] < figures["parked_fence_bytes"]
+
+
+def test_wake_cost_counts_the_instructions_of_a_parked_and_of_the_barest_wake(
+    tmp_path: Path,
+) -> None:
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed")
+    report_path = tmp_path / "cost.json"
+    result = _wake_cost("instructions", "--cycles", "5", "--json", str(report_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    park, bare = report["park"]["per_cycle"], report["bare"]["per_cycle"]
+    assert 0 < bare < park  # the barest wake does less than asyncfence's
+    assert f"park {park / 1e3:,.1f}k instructions per cycle" in result.stdout

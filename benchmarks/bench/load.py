@@ -11,7 +11,6 @@ import tracemalloc
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.lowlevel
 
 import asyncfence
 from asyncfence.testing import OpenCLDevice, StreamGate
@@ -38,6 +37,8 @@ __all__ = [
 _SETTLE_S = 0.05
 # Waits parked on held queues for CPU while parked.
 _PARKED_FOR_CPU = 64
+# The loop-lag probe of parked_at_scale sleeps this long at a time.
+_PROBE_INTERVAL_S = 0.001
 # The bound on releasing many parked waits at once.
 _RELEASE_ALL_TIMEOUT_S = 120.0
 
@@ -315,9 +316,9 @@ async def parked_at_scale(ctx: Context) -> None:
     ``scaling_rounds`` rounds (each round's waits awaited before the next).
     The releases start as soon as every wait is parked, so the first
     re-checks of all of them fall inside the window. A wake's latency runs
-    from its gate's stamp to its task's resumption; the loop's lag is what a
-    probe task that yields once a millisecond waits to run again, over the
-    whole window.
+    from its gate's stamp to its task's resumption; the loop's lag is how
+    much later than asked a probe task that sleeps a millisecond at a time
+    resumes, over the whole window.
     """
     target, config = ctx.target, ctx.config
     park = next((c for c in ctx.entrants if c.name == PARK), None)
@@ -341,18 +342,20 @@ async def _parked_at_scale(park: Contender, streams: list[Any], config: Any) -> 
     chosen = rng.sample(range(size), min(size, config.scaling_released * config.scaling_rounds))
     wakes: list[float] = []
     lags: list[float] = []
-    probing = True
+    probing, probe_stopped = True, anyio.Event()
 
     async def wait(index: int) -> None:
         await park.wait(tokens[index])
         resumed[index] = time.perf_counter()
 
     async def probe() -> None:
+        # How late a task that sleeps a millisecond at a time resumes: a
+        # stall of the loop shows whether it falls in the sleep or in a turn.
         while probing:
             sent = time.perf_counter()
-            await anyio.lowlevel.checkpoint()
-            lags.append(time.perf_counter() - sent)
-            await anyio.sleep(0.001)
+            await anyio.sleep(_PROBE_INTERVAL_S)
+            lags.append(max(time.perf_counter() - sent - _PROBE_INTERVAL_S, 0.0))
+        probe_stopped.set()
 
     try:
         with anyio.fail_after(_RELEASE_ALL_TIMEOUT_S + size * 1e-3):
@@ -375,6 +378,7 @@ async def _parked_at_scale(park: Contender, streams: list[Any], config: Any) -> 
                             resumed[i] - stamp for i, stamp in zip(batch, stamps, strict=True)
                         ]
                 probing = False
+                await probe_stopped.wait()  # before the rest is released, all at once
                 after = asyncfence.current_statistics()
                 for gate in gates:
                     gate.release()
