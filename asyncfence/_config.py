@@ -54,11 +54,12 @@ class Config:
             settled and no new wait parks on it, its interval doubles, up
             to 8 times this (0.4 s by default): a parked waiter sees a fault
             within ``recheck_interval`` of parking, and within 8 times it
-            however long it has waited. A loop turn re-checks a bounded
-            slice of the due streams, at most 10,000 streams a second, so
-            the cost follows what is due, not what is parked: with more than
-            4,000 streams parked, each is re-checked every
-            ``streams / 10,000`` seconds instead.
+            however long it has waited, plus its turn: a loop turn
+            re-checks at most 16 of the due streams, 10,000 a second, so the
+            cost follows what is due, not what is parked, and a stream may
+            wait ``due streams / 10,000`` seconds more (0.1 s when 1,000 park
+            at once). With more than 4,000 streams parked, each is
+            re-checked every ``streams / 10,000`` seconds instead.
     """
 
     strategy: Strategy = "auto"

@@ -518,10 +518,11 @@ class _Parking:
                 self._parked.discard(fired)
         if not self._parked.add(fence):
             return
-        # A new wait gets its stream's prompt re-check; the chain is already
-        # due by then unless that made it sooner.
+        # A new wait gets its stream's prompt re-check; a running chain is
+        # already due by then unless that made it sooner.
         interval = current_config().recheck_interval
-        if self._schedule.parked(fence.queue.key, _recheck_clock(), interval):
+        sooner = self._schedule.parked(fence.queue.key, _recheck_clock(), interval)
+        if sooner or not self._recheck.running:
             self._recheck.ensure(self._recheck_delay())
         # Armed first, checked second (in _arm, for the fence that gets the
         # signal); swept on the next loop turn: the waiter may not be
@@ -734,10 +735,7 @@ class _Parking:
             self._finish_wake()  # left by a wake that a waker raised through
         parked = self._parked
         if not parked:
-            self._schedule = RecheckSchedule()  # whatever it holds is stale
-            # Signals of collected fences that never fired (a faulted
-            # context runs no host function) would otherwise stay.
-            self._armed = {token: ref for token, ref in self._armed.items() if ref() is not None}
+            self._stop_rechecks()
             return None
         now = _recheck_clock()
         queried = False
@@ -755,16 +753,33 @@ class _Parking:
             due = self._schedule.take_due(now + interval * _RECHECK_EARLY, _RECHECK_SLICE)
         if due:
             queried = True
-            progressed = self._progress(due)
-            for key in due:
-                if parked.has_queue(key):
-                    self._schedule.checked(key, key in progressed, now, interval)
-                else:
-                    self._schedule.forget(key)
+            progressed: set[Hashable] = set()
+            try:
+                progressed = self._progress(due)
+            finally:  # however the sweep ended, each stream taken is scheduled again
+                for key in due:
+                    if parked.has_queue(key):
+                        self._schedule.checked(key, key in progressed, now, interval)
+                    else:
+                        self._schedule.forget(key)
             if len(due) == _RECHECK_SLICE:  # more may be due: they wait their turn
                 self._throttled_until = now + _RECHECK_SLICE / RECHECK_RATE
         self.rechecks += queried
-        return self._recheck_delay() if parked else None
+        if parked:
+            return self._recheck_delay()
+        self._stop_rechecks()
+        return None
+
+    def _stop_rechecks(self) -> None:
+        """Nothing is parked: the chain stops, so what the schedule holds must go too.
+
+        A stale entry would make the next park on its stream look scheduled
+        already, with no chain to run it.
+        """
+        self._schedule = RecheckSchedule()
+        # Signals of collected fences that never fired (a faulted context
+        # runs no host function) would otherwise stay.
+        self._armed = {token: ref for token, ref in self._armed.items() if ref() is not None}
 
 
 def _settled_now(fence: FenceCore) -> bool:

@@ -577,6 +577,55 @@ async def test_each_stream_backs_off_alone_and_starts_over_when_it_settles(
     assert first.done()
 
 
+@pytest.mark.usefixtures("quick_recheck")
+async def test_once_nothing_is_parked_the_rechecks_forget_every_stream(
+    device: OpenCLDevice, wake_path: str, loop_clock: LoopClock
+) -> None:
+    # The sequence that once left a stream looking scheduled with no re-check
+    # to run it: the second stream's fence is woken by its signal, the first
+    # stream's fails (no signal) and is found by the re-check, which then
+    # stops; a new park on the second stream must start the re-checks again.
+    if wake_path != "native":
+        pytest.skip("the second stream's fence must be woken by its signal")
+    interval = asyncfence.configure().recheck_interval
+    first_queue, second_queue = device.new_stream(), device.new_stream()
+    failures: list[DeviceError] = []
+
+    async def wait(fence: asyncfence.Fence) -> None:
+        try:
+            await fence.wait(strategy="park")
+        except DeviceError as error:
+            failures.append(error)
+
+    with hold(first_queue) as first_gate, hold(second_queue) as second_gate:
+        first, second = asyncfence.record(first_queue), asyncfence.record(second_queue)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait, first)
+            await until(lambda: asyncfence.current_statistics().parked == 1)
+            loop_clock.now += interval / 2  # the second stream falls due later
+            tg.start_soon(wait, second)
+            await until(lambda: asyncfence.current_statistics().parked == 2)
+            second_gate.release()
+            await until(lambda: asyncfence.current_statistics().parked == 1)
+            first_gate.fail()
+            # The first stream is due, the second not: the re-check's own next
+            # step finds the failure, and with that nothing is parked.
+            loop_clock.now += interval * 0.6
+        assert len(failures) == 1
+        parking = _parking()
+        await until(lambda: not parking._recheck.running)
+        assert len(parking._schedule) == 0
+        loop_clock.run_free()
+        with hold(second_queue) as gate:
+            third = asyncfence.record(second_queue)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait, third)
+                await until(lambda: asyncfence.current_statistics().parked == 1)
+                assert parking._recheck.running
+                gate.fail()  # no signal: only a re-check finds it
+        assert len(failures) == 2
+
+
 @pytest.mark.usefixtures("only_signals_wake")
 async def test_a_recheck_step_takes_a_bounded_slice_of_the_due_streams(
     device: OpenCLDevice, wake_path: str, loop_clock: LoopClock, monkeypatch: pytest.MonkeyPatch
