@@ -771,16 +771,16 @@ def check_every_scenario(
         assert set(per) == {"10", "1000"}
         assert all(figures["lag_p99_s"] >= 0 for figures in per.values())
     assert summary["scale"][POLL]["10"]["tick_mean_s"] > 0
-    smoke = BenchConfig.smoke()
-    at_scale = summary["parked_at_scale"]
-    assert list(at_scale) == [str(size) for size in smoke.scaling_sizes]
-    for size, figures in at_scale.items():
-        assert figures["queues"] == int(size)
-        assert figures["wakes"] == smoke.scaling_released * smoke.scaling_rounds
-        assert 0 < figures["wake_p50_s"] <= figures["wake_p99_s"] < math.inf
-        assert 0 <= figures["lag_p99_s"] <= figures["lag_max_s"]
-        assert figures["queries_per_wake"] >= 1  # each woken fence asked at least once
-    if device_row:  # OpenCL: its out-of-order queues, beside in-order ones
+    if device_row:  # OpenCL: its out-of-order queues, beside in-order ones; and the scale
+        smoke = BenchConfig.smoke()
+        at_scale = summary["parked_at_scale"]
+        assert list(at_scale) == [str(size) for size in smoke.scaling_sizes]
+        for size, figures in at_scale.items():
+            assert figures["queues"] == int(size)
+            assert figures["wakes"] == smoke.scaling_released * smoke.scaling_rounds
+            assert 0 < figures["wake_p50_s"] <= figures["wake_p99_s"] < math.inf
+            assert 0 <= figures["lag_p99_s"] <= figures["lag_max_s"]
+            assert figures["queries_per_wake"] >= 1  # each woken fence asked at least once
         one_by_one = summary["parked_one_by_one"]
         for kind in ("in-order", "out-of-order"):
             figures = one_by_one[kind]
@@ -793,6 +793,7 @@ def check_every_scenario(
         assert one_by_one["out-of-order vs in-order"]["queries"] > 0
     else:
         assert "parked_one_by_one" not in summary
+        assert "parked_at_scale" not in summary
 
 
 def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) -> None:
