@@ -123,6 +123,18 @@ def test_a_fence_that_fails_after_enqueue_wait_fails_the_waiting_stream(
         device.close_stream(other)
 
 
+def run_fresh_python(code: str, *arguments: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter, on OpenCL alone, bounded by the hang guard."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *arguments],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+        timeout=HANG_GUARD_S,
+        check=False,
+    )
+
+
 def test_a_fence_failing_while_enqueue_wait_runs_raises_saying_so() -> None:
     # In a fresh process, left with os._exit: the waiting queue may be wedged
     # for good, and releasing a wedged PoCL queue waits for it.
@@ -164,15 +176,7 @@ print(result)
 sys.stdout.flush()
 os._exit(0)
 """
-    env = {**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"}
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=HANG_GUARD_S,
-        check=False,
-    )
+    result = run_fresh_python(code)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "failed while enqueue_wait ran" in result.stdout
 
@@ -217,15 +221,7 @@ def test_after_warm_up_the_first_park_arms_its_signal_without_blocking(start: st
     pytest.importorskip("blockbuster")
     if shim() is None:
         pytest.skip(f"the native shim is not in use: {unavailable_reason()}")
-    env = {**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"}
-    result = subprocess.run(
-        [sys.executable, "-c", _FIRST_PARK_UNDER_BLOCKBUSTER, start],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=HANG_GUARD_S,
-        check=False,
-    )
+    result = run_fresh_python(_FIRST_PARK_UNDER_BLOCKBUSTER, start)
     assert result.returncode == 0, result.stderr[-3000:]
     if start == "cold":  # the first arm finds the OpenCL library: blocked, so re-checked
         assert result.stdout.split() == ["0", "0"]

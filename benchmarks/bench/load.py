@@ -19,7 +19,9 @@ from ..measure import loop_lag, os_thread_count, percentile, python_threads_cpu,
 from .base import PARK, Releaser, gather
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterator
+    from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+
+    from anyio.abc import TaskGroup
 
     from .targets import Contender, Context
 
@@ -225,6 +227,16 @@ async def scale(ctx: Context) -> None:
             ctx.results.scale.setdefault(contender.name, {})[size] = figures
 
 
+async def _start_parked(
+    tg: TaskGroup, wait: Callable[[int], Coroutine[Any, Any, None]], count: int
+) -> None:
+    """Start ``wait(0)`` to ``wait(count - 1)`` in ``tg``; return once all are parked."""
+    for index in range(count):
+        tg.start_soon(wait, index)
+    while asyncfence.current_statistics().parked < count:  # noqa: ASYNC110
+        await anyio.sleep(0.001)
+
+
 async def parked_one_by_one(ctx: Context) -> None:
     """Parked fences completing one by one, on an in-order and an out-of-order queue.
 
@@ -277,10 +289,7 @@ async def _one_by_one(park: Contender, stream: Any, count: int) -> dict[str, flo
     try:
         with anyio.fail_after(2 * _RELEASE_ALL_TIMEOUT_S + count * 0.2):
             async with anyio.create_task_group() as tg:
-                for index in range(count):
-                    tg.start_soon(wait, index)
-                while asyncfence.current_statistics().parked < count:  # noqa: ASYNC110
-                    await anyio.sleep(0.001)
+                await _start_parked(tg, wait, count)
                 before = asyncfence.current_statistics()
                 started, cpu_started = time.perf_counter(), time.thread_time()
                 releaser.start()
@@ -360,10 +369,7 @@ async def _parked_at_scale(park: Contender, streams: list[Any], config: Any) -> 
     try:
         with anyio.fail_after(_RELEASE_ALL_TIMEOUT_S + size * 1e-3):
             async with anyio.create_task_group() as tg:
-                for index in range(size):
-                    tg.start_soon(wait, index)
-                while asyncfence.current_statistics().parked < size:  # noqa: ASYNC110
-                    await anyio.sleep(0.001)
+                await _start_parked(tg, wait, size)
                 before = asyncfence.current_statistics()
                 tg.start_soon(probe)
                 with Releaser() as releaser:
