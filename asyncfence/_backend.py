@@ -37,7 +37,7 @@ so that :func:`backend_for` can remember the answer per type.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from . import _fork
 from ._validation import type_name
@@ -111,8 +111,7 @@ class BackendStatistics:
     signal_path: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class NativeSignal:
+class NativeSignal(NamedTuple):
     """A native function for the device runtime to call once a marker completes.
 
     It runs no Python: the runtime calls it on its own thread (a CUDA host
@@ -130,6 +129,8 @@ class NativeSignal:
             void *argument)``: what OpenCL calls as an event callback; 0
             where there is none.
         argument: The pointer passed to either.
+
+    A named tuple, not a dataclass: one is made per parked wait.
     """
 
     host_function: int

@@ -168,9 +168,14 @@ class FenceCore:
             return marker
 
     def _unpin(self) -> None:
+        """Let the marker go again; released at once if the fence settled meanwhile."""
         with _settle_lock:
             self._pins -= 1
-        self.release_marker()
+            if self._pins or self.state == PENDING:
+                return
+            marker, self._marker = self._marker, None
+        if marker is not None:
+            self.backend.release(marker)
 
     def failure(self) -> DeviceError:
         """A fresh copy of the failure, so each waiter gets its own traceback."""

@@ -122,6 +122,11 @@ class FenceSet:
             return False
         return self._oldest(self._streams[fence.queue.key]) is fence
 
+    def oldest(self, key: Hashable) -> FenceCore | None:
+        """The oldest member on the stream with ``key``; ``None`` if it has none."""
+        stream = self._streams.get(key)
+        return None if stream is None else self._oldest(stream)
+
     def heads(self, keys: Collection[Hashable] | None = None) -> list[FenceCore]:
         """The oldest member of each stream (of ``keys``' streams, if given)."""
         return [

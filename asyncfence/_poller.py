@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Hashable, Iterable
 
     from ._config import Strategy
-    from ._core import FenceCore
+    from ._core import ArmResult, FenceCore
     from ._loops import LoopDriver, Waiter
 
 __all__ = [
@@ -524,12 +524,10 @@ class _Parking:
         sooner = self._schedule.parked(fence.queue.key, _recheck_clock(), interval)
         if sooner or not self._recheck.running:
             self._recheck.ensure(self._recheck_delay())
-        # Armed first, checked second (in _arm, for the fence that gets the
-        # signal); swept on the next loop turn: the waiter may not be
-        # suspended yet.
+        # The oldest fence of its stream gets a signal; a younger one is found
+        # by the sweep that its stream's oldest brings (a signal, or the
+        # re-checks of an unsignalled one).
         self._arm([fence])
-        if not self._has_signal(fence) and _settled_now(fence):
-            self._driver.call_soon(lambda: self._sweep([fence.queue.key]))
 
     def unpark(self, fence: FenceCore) -> None:
         """Stop watching ``fence``: no wait on this loop is left on it."""
@@ -555,9 +553,11 @@ class _Parking:
     def _arm(self, candidates: Iterable[FenceCore]) -> None:
         """Arm a signal for each candidate that needs one and has none.
 
-        Armed first, checked second: a fence that completed meanwhile, or that
-        another thread or loop settled (its marker is gone, so no signal will
-        come), is swept on the next loop turn.
+        A signal armed comes even if the fence completed meanwhile: its
+        marker was kept from release while the signal was armed on it. A fence
+        that another thread or loop settled first (its marker gone, so no
+        signal can come), and one that got no signal but has completed, are
+        swept on the next loop turn: the waiter may not be suspended yet.
         """
         settled: set[Hashable] = set()
         for fence in candidates:
@@ -567,26 +567,29 @@ class _Parking:
                 or not self._parked.needs_own_signal(fence)
             ):
                 continue
-            if not self._arm_one(fence):
+            result = self._arm_one(fence)
+            if result == "armed":
+                continue
+            if result == "unsignalled":
                 self._unsignalled.add(fence)
                 self._unsignalled_sleep = _FIRST_SLEEP_S
                 self._unsignalled_due = _recheck_clock() + _FIRST_SLEEP_S
                 self._recheck.ensure(_FIRST_SLEEP_S)
-            if _settled_now(fence):
+            if result == "settled" or _settled_now(fence):
                 settled.add(fence.queue.key)
         if settled:
             self._driver.call_soon(functools.partial(self._sweep, settled))
 
-    def _arm_one(self, fence: FenceCore) -> bool:
-        """Arm ``fence``'s signal; False if it must be re-checked instead."""
+    def _arm_one(self, fence: FenceCore) -> ArmResult:
+        """Arm ``fence``'s signal: ``"unsignalled"`` if it must be re-checked instead."""
         mailbox = self._mailbox
         if mailbox is None:
-            return False
+            return "unsignalled"
         token = id(fence)
         try:
             signal, slot = mailbox.signal(token)
         except MemoryError:
-            return False
+            return "unsignalled"
         try:
             result = fence.arm(signal)
         except Exception as error:  # a faulted CUDA context, say: re-checks see the fault
@@ -594,9 +597,9 @@ class _Parking:
             result = "unsignalled"
         if result != "armed":
             mailbox.discard(slot)
-            return result == "settled"  # settled: the caller's check sweeps it
+            return result
         self._armed[token] = weakref.ref(fence)
-        return True
+        return result
 
     def _has_signal(self, fence: FenceCore) -> bool:
         """Whether ``fence`` has an armed signal that has not fired yet."""
@@ -665,21 +668,31 @@ class _Parking:
 
         A fired fence's stream progressed at least that far, so it is swept
         even if that fence's own waits have left (others behind it may be
-        done, or it settled elsewhere with its waiters not woken yet); a
-        fence whose signal came early is armed again. It costs what fired,
-        not what is parked: one sweep per stream that progressed.
+        done, or it settled elsewhere with its waiters not woken yet), unless
+        its oldest parked fence has a signal armed: that signal brings the
+        sweep. A fence whose signal came early is armed again. It costs what
+        fired, not what is parked: at most one sweep per stream that
+        progressed, none where the woken task parked its next fence already.
         """
         fired, self._fired = self._fired, {}
         parked = self._parked
-        keys = {fence.queue.key for fence in fired}
-        try:
-            self.queries += parked.sweep(self._settled, keys)
-        finally:
-            for fence in fired:
-                if not self._poller.is_awaited(fence):
-                    self.unpark(fence)
-                fence.release_marker()
-            self._arm(parked.heads({key for key in keys if parked.has_queue(key)}))
+        keys: set[Hashable] = set()
+        for fence in fired:
+            keys.add(fence.queue.key)
+            if not self._poller.is_awaited(fence):  # woken, or its waits left
+                parked.discard(fence)
+                self._unsignalled.discard(fence)
+            fence.release_marker()
+        unsignalled = [
+            key
+            for key in keys
+            if (oldest := parked.oldest(key)) is not None and not self._has_signal(oldest)
+        ]
+        if unsignalled:
+            try:
+                self.queries += parked.sweep(self._settled, unsignalled)
+            finally:
+                self._arm(parked.heads(unsignalled))
 
     def _settled(self, fence: FenceCore, unexpected: Exception | None) -> None:
         """A sweep found ``fence`` settled (and took it out of the parked set)."""
