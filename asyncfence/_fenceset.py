@@ -31,10 +31,13 @@ _COMPACT_SLACK = 16
 
 
 class _Stream:
-    """One stream's members: a heap by record order, and how many are live.
+    """A stream's members, once it has had two: a heap by record order, and how many are live.
 
     Entries of fences no longer in the set are dropped when they reach the
-    top, or by compaction.
+    top, or by compaction. Until its second member, a stream's entry is the
+    fence itself: one fence per stream is the common case (a task waiting
+    for its own work), and the heap and this object would be a tenth of a
+    parked wait's memory.
     """
 
     __slots__ = ("heap", "members")
@@ -57,7 +60,7 @@ class FenceSet:
 
     def __init__(self) -> None:
         self._members: set[FenceCore] = set()
-        self._streams: dict[Hashable, _Stream] = {}
+        self._streams: dict[Hashable, FenceCore | _Stream] = {}
 
     def __len__(self) -> int:
         return len(self._members)
@@ -80,11 +83,17 @@ class FenceSet:
             return False
         self._members.add(fence)
         key = fence.queue.key
-        stream = self._streams.get(key)
-        if stream is None:
+        entry = self._streams.get(key)
+        if entry is None:
+            self._streams[key] = fence
+            return True
+        if not isinstance(entry, _Stream):  # its second member
             stream = self._streams[key] = _Stream()
-        stream.members += 1
-        heapq.heappush(stream.heap, fence)
+            stream.heap.append(entry)
+            stream.members = 1
+            entry = stream
+        entry.members += 1
+        heapq.heappush(entry.heap, fence)
         return True
 
     def discard(self, fence: FenceCore) -> None:
@@ -94,6 +103,9 @@ class FenceSet:
         self._members.discard(fence)
         key = fence.queue.key
         stream = self._streams[key]
+        if not isinstance(stream, _Stream):  # it was the only member
+            del self._streams[key]
+            return
         stream.members -= 1
         if not stream.members:
             del self._streams[key]  # and with it every stale heap entry
@@ -106,8 +118,11 @@ class FenceSet:
         self._members.clear()
         self._streams.clear()
 
-    def _oldest(self, stream: _Stream) -> FenceCore | None:
-        heap = stream.heap
+    def _oldest(self, entry: FenceCore | _Stream) -> FenceCore | None:
+        if not isinstance(entry, _Stream):
+            # Left the set if a sweep just removed it (the stream is gone then).
+            return entry if entry in self._members else None
+        heap = entry.heap
         while heap and heap[0] not in self._members:  # drop stale entries
             heapq.heappop(heap)
         return heap[0] if heap else None
@@ -135,7 +150,7 @@ class FenceSet:
             if (oldest := self._oldest(stream)) is not None
         ]
 
-    def _selected(self, keys: Collection[Hashable] | None) -> list[_Stream]:
+    def _selected(self, keys: Collection[Hashable] | None) -> list[FenceCore | _Stream]:
         if keys is None:
             return list(self._streams.values())
         return [stream for key in keys if (stream := self._streams.get(key)) is not None]
