@@ -152,11 +152,19 @@ class FenceCore:
     def release_marker(self) -> None:
         """Release the marker of a settled fence, unless a driver call still uses it."""
         with _settle_lock:
-            if self._pins or self.state == PENDING:
-                return
-            marker, self._marker = self._marker, None
+            marker = self._take_unused_marker()
         if marker is not None:
             self.backend.release(marker)
+
+    def _take_unused_marker(self) -> Any:
+        """The marker, taken from a settled fence no driver call uses; else ``None``.
+
+        Called with ``_settle_lock`` held.
+        """
+        if self._pins or self.state == PENDING:
+            return None
+        marker, self._marker = self._marker, None
+        return marker
 
     def _pin(self) -> Any:
         """The marker, kept from release until :meth:`_unpin`; ``None`` if settled."""
@@ -171,9 +179,7 @@ class FenceCore:
         """Let the marker go again; released at once if the fence settled meanwhile."""
         with _settle_lock:
             self._pins -= 1
-            if self._pins or self.state == PENDING:
-                return
-            marker, self._marker = self._marker, None
+            marker = self._take_unused_marker()
         if marker is not None:
             self.backend.release(marker)
 

@@ -683,16 +683,16 @@ class _Parking:
                 parked.discard(fence)
                 self._unsignalled.discard(fence)
             fence.release_marker()
-        unsignalled = [
+        to_sweep = [
             key
             for key in keys
             if (oldest := parked.oldest(key)) is not None and not self._has_signal(oldest)
         ]
-        if unsignalled:
+        if to_sweep:
             try:
-                self.queries += parked.sweep(self._settled, unsignalled)
+                self.queries += parked.sweep(self._settled, to_sweep)
             finally:
-                self._arm(parked.heads(unsignalled))
+                self._arm(parked.heads(to_sweep))
 
     def _settled(self, fence: FenceCore, unexpected: Exception | None) -> None:
         """A sweep found ``fence`` settled (and took it out of the parked set)."""
