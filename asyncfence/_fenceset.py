@@ -42,9 +42,9 @@ class _Stream:
 
     __slots__ = ("heap", "members")
 
-    def __init__(self) -> None:
-        self.heap: list[FenceCore] = []  # ordered by FenceCore.__lt__: record order
-        self.members = 0
+    def __init__(self, first: FenceCore) -> None:
+        self.heap: list[FenceCore] = [first]  # ordered by FenceCore.__lt__: record order
+        self.members = 1
 
 
 def _query(fence: FenceCore) -> tuple[bool, Exception | None]:
@@ -88,10 +88,7 @@ class FenceSet:
             self._streams[key] = fence
             return True
         if not isinstance(entry, _Stream):  # its second member
-            stream = self._streams[key] = _Stream()
-            stream.heap.append(entry)
-            stream.members = 1
-            entry = stream
+            entry = self._streams[key] = _Stream(entry)
         entry.members += 1
         heapq.heappush(entry.heap, fence)
         return True
