@@ -20,11 +20,16 @@ from ._drop_queue import DropQueueStatistics as DropQueueStatistics
 from ._exceptions import DeviceError as DeviceError
 from ._exceptions import DriverNotFoundError as DriverNotFoundError
 from ._exceptions import FenceError as FenceError
+from ._exceptions import FenceLostError as FenceLostError
+from ._exceptions import TokenRefusedError as TokenRefusedError
 from ._fence import Fence as Fence
 from ._fence import record as record
 from ._fence import warm_up as warm_up
 from ._poller import PollerStatistics as PollerStatistics
 from ._poller import current_statistics as current_statistics
+from ._relay import FenceToken as FenceToken
+from ._relay import ImportedFence as ImportedFence
+from ._relay import import_fence as import_fence
 from ._staging import StagingPool as StagingPool
 from ._staging import StagingPoolStatistics as StagingPoolStatistics
 
@@ -38,13 +43,18 @@ __all__ = (
     "DropQueueStatistics",
     "Fence",
     "FenceError",
+    "FenceLostError",
+    "FenceToken",
+    "ImportedFence",
     "PinnedBuffer",
     "PollerStatistics",
     "StagingPool",
     "StagingPoolStatistics",
+    "TokenRefusedError",
     "backend_statistics",
     "configure",
     "current_statistics",
+    "import_fence",
     "record",
     "warm_up",
 )

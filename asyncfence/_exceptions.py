@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["DeviceError", "DriverNotFoundError", "FenceError"]
+__all__ = [
+    "DeviceError",
+    "DriverNotFoundError",
+    "FenceError",
+    "FenceLostError",
+    "TokenRefusedError",
+]
 
 
 class FenceError(Exception):
@@ -44,4 +50,22 @@ class DriverNotFoundError(FenceError):
 
     Raised when a CUDA stream is used on a machine without the NVIDIA driver
     (``libcuda.so.1``). OpenCL keeps working without it.
+    """
+
+
+class FenceLostError(FenceError):
+    """An imported fence's outcome can never be known: its exporting process went away.
+
+    The process that exported the fence exited, crashed or stopped serving its
+    exports (its event loop ended) before it could say how the work ended.
+    The work may have completed; nothing can tell.
+    """
+
+
+class TokenRefusedError(FenceError):
+    """The exporting process refused an imported fence's token.
+
+    The token was forged, was used already (a token answers one import), or
+    was presented by a process of another user. Nothing was done on the
+    exporting side.
     """

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
     from typing_extensions import Self
 
+    from ._relay import FenceToken
+
 __all__ = ["Fence", "cores_of", "record"]
 
 # wait_sync sleeps between polls, the sleep doubling up to this.
@@ -194,6 +196,33 @@ class Fence:
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
+
+    def export(self) -> FenceToken:
+        """A token with which another process on this machine can await this fence.
+
+        Send the token (it pickles) to the other process, which turns it into
+        an awaitable fence with :func:`asyncfence.import_fence`. This loop
+        answers it: it serves its exports on a Unix socket of its own that
+        only processes of the same user may use, and once the fence completes
+        it tells the importer how the work ended (a failure arrives there as
+        the same :class:`~asyncfence.DeviceError`). No thread is started, and
+        nothing need be done here after the export but keep the loop running.
+
+        A token answers one import; export again for each importing process.
+        An export not yet imported keeps the fence until this loop ends.
+
+        Returns:
+            A picklable :class:`~asyncfence.FenceToken`.
+
+        Raises:
+            RuntimeError: No asyncio or trio loop runs the calling task.
+            OSError: The relay's socket could not be made (no descriptor free).
+
+        Thread-safety: the thread of the loop that serves the export.
+        """
+        from ._relay import export_core
+
+        return export_core(self._core)
 
 
 def _settled_outcome(core: FenceCore, seconds: float) -> None:

@@ -90,6 +90,11 @@ class _FutureWaiter:
             future.set_exception(error)
 
 
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # a reader callback must never raise
+        future.set_result(None)
+
+
 def _expire(future: asyncio.Future[bool]) -> None:
     if not future.done():
         future.set_result(False)
@@ -101,12 +106,15 @@ class AsyncioDriver:
     Thread-safety: as the protocol says.
     """
 
-    __slots__ = ("__weakref__", "_loop", "poller")
+    __slots__ = ("__weakref__", "_loop", "_system_tasks", "poller", "relay")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         # Weak: the loop holds this driver, not the reverse.
         self._loop = weakref.ref(loop)
         self.poller: object = None
+        self.relay: object = None
+        # Held here: asyncio keeps only weak references to its tasks.
+        self._system_tasks: set[asyncio.Task[None]] = set()
 
     # -- for the wait ------------------------------------------------------------
 
@@ -154,6 +162,29 @@ class AsyncioDriver:
 
     def chain(self, step: Callable[[], float | None]) -> _AsyncioChain:
         return _AsyncioChain(self._loop, step)
+
+    def spawn_system_task(self, run: Callable[[], Awaitable[None]], name: str) -> bool:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return False
+
+        async def system_task() -> None:
+            await run()
+
+        task = loop.create_task(system_task(), name=name)
+        self._system_tasks.add(task)
+        task.add_done_callback(self._system_tasks.discard)
+        return True
+
+    async def wait_readable(self, fd: int) -> None:
+        loop = self._loop()
+        assert loop is not None
+        readable: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _resolve, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
 
     def watch_readable(self, fd: int, on_readable: Callable[[], bool]) -> bool:
         loop = self._loop()

@@ -62,6 +62,8 @@ class LoopDriver(Protocol):
 
     #: The loop's poller, kept here for the loop's life; ``None`` until made.
     poller: object
+    #: The loop's relay of exported fences (:mod:`asyncfence._relay`); ``None`` until made.
+    relay: object
 
     # -- for the wait ------------------------------------------------------------
 
@@ -99,6 +101,28 @@ class LoopDriver(Protocol):
 
     def chain(self, step: Callable[[], float | None]) -> Chain:
         """A chain that calls ``step`` on the loop (see :class:`Chain`)."""
+        ...
+
+    # -- for the relay -----------------------------------------------------------
+
+    def spawn_system_task(self, run: Callable[[], Awaitable[None]], name: str) -> bool:
+        """Run ``run()`` as a task of the loop's own, for as long as the loop runs.
+
+        ``run`` must catch what it raises, but the loop's cancellation: a
+        system task that raises ends a trio run. It is cancelled when the
+        loop or run shuts down.
+
+        Returns:
+            False if the loop is shutting down and runs no new task.
+        """
+        ...
+
+    async def wait_readable(self, fd: int) -> None:
+        """Wait until ``fd`` is readable (or closed by its peer). A checkpoint.
+
+        One task at a time may wait on one fd. Cancellation: it stops
+        watching ``fd`` and propagates.
+        """
         ...
 
     def watch_readable(self, fd: int, on_readable: Callable[[], bool]) -> bool:

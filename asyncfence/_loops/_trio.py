@@ -121,13 +121,14 @@ class TrioDriver:
     Thread-safety: as the protocol says.
     """
 
-    __slots__ = ("__weakref__", "_token", "poller")
+    __slots__ = ("__weakref__", "_token", "poller", "relay")
 
     def __init__(self) -> None:
         import trio
 
         self._token = trio.lowlevel.current_trio_token()
         self.poller: object = None
+        self.relay: object = None
 
     # -- for the wait ------------------------------------------------------------
 
@@ -165,6 +166,20 @@ class TrioDriver:
 
     def chain(self, step: Callable[[], float | None]) -> _TrioChain:
         return _TrioChain(step, "asyncfence poller")
+
+    def spawn_system_task(self, run: Callable[[], Awaitable[None]], name: str) -> bool:
+        import trio
+
+        try:
+            trio.lowlevel.spawn_system_task(run, name=name)
+        except RuntimeError:  # the run is shutting down
+            return False
+        return True
+
+    async def wait_readable(self, fd: int) -> None:
+        import trio
+
+        await trio.lowlevel.wait_readable(fd)
 
     def watch_readable(self, fd: int, on_readable: Callable[[], bool]) -> bool:
         import trio
