@@ -21,6 +21,7 @@ Thread-safety: an exporting loop's relay belongs to its loop's thread; an
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from collections.abc import Generator
 
     from ._core import FenceCore
-    from ._loops import LoopDriver
+    from ._loops import LoopDriver, Waiter
 
 __all__ = ["FenceToken", "ImportedFence", "export_core", "import_fence"]
 
@@ -153,10 +154,8 @@ class _Relay:
             except Exception:
                 _logger.exception("asyncfence: the fence relay failed to answer an import")
                 answer = _ERROR + b"the exporting process failed to answer"
-            try:
+            with contextlib.suppress(OSError):  # the importer went away
                 connection.send(answer)  # a few hundred bytes on a fresh socket: never blocks
-            except OSError:
-                pass  # the importer went away
         finally:
             self._close(connection)
 
@@ -332,6 +331,11 @@ class ImportedFence:
 
     _socket: socket.socket
     _token: FenceToken
+    _answer: bytearray
+    _settled: bool
+    _failure: FenceError | None
+    _reader: LoopDriver | None  # the driver of the loop whose system task reads
+    _waiters: list[Waiter]
 
     def __new__(cls, *args: object, **kwargs: object) -> ImportedFence:
         raise TypeError("imported fences are made by asyncfence.import_fence(token)")
@@ -344,7 +348,7 @@ class ImportedFence:
         fence._answer = bytearray()
         fence._settled = False
         fence._failure = None
-        fence._reader = None  # the driver of the loop whose system task reads
+        fence._reader = None
         fence._waiters = []
         return fence
 

@@ -1,0 +1,61 @@
+"""A producing process for the cross-process tests: exports a fence held by a gate.
+
+Run as ``python -m tests.relay_producer LOOP``. It prints one line, the hex
+of the pickled :class:`~asyncfence.FenceToken`, then obeys one command a line
+on stdin, read by its event loop (no thread): ``release`` or ``fail`` the
+gate, ``export`` another token of the same fence (printed likewise), ``die``
+(``os._exit`` at once, as a crash would), or ``quit`` (end the loop).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from typing import Any
+
+import anyio
+
+import asyncfence
+from asyncfence.testing import StreamGate, open_default_device
+
+
+async def _produce() -> None:
+    device = open_default_device("opencl")
+    queue = device.new_stream()
+    gate = StreamGate(queue)
+    fence = asyncfence.record(queue)
+
+    def say(value: Any) -> None:
+        sys.stdout.write(pickle.dumps(value).hex() + "\n")
+        sys.stdout.flush()
+
+    say(fence.export())
+    while True:
+        await anyio.wait_readable(sys.stdin.fileno())
+        command = os.read(sys.stdin.fileno(), 64).decode().strip()
+        if command == "release":
+            gate.release()
+        elif command == "fail":
+            gate.fail()
+        elif command == "export":
+            say(fence.export())
+        elif command == "die":
+            os._exit(3)
+        elif command in ("quit", ""):
+            gate.release()
+            return
+
+
+def main() -> None:
+    loop = sys.argv[1]
+    if loop == "trio":
+        anyio.run(_produce, backend="trio")
+    elif loop == "uvloop":
+        anyio.run(_produce, backend_options={"use_uvloop": True})
+    else:
+        anyio.run(_produce)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Fences across processes: a producer process exports, the test's loop imports and awaits.
+
+Each producer is a real process (``tests/relay_producer.py``) running its own
+event loop, which serves its exports; it obeys commands on stdin, so the
+test decides exactly when its device work completes, fails, or its process
+dies. Nothing sleeps and hopes: the gate orders everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import secrets
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import pytest
+
+import asyncfence
+from asyncfence import DeviceError, FenceLostError, FenceToken, TokenRefusedError
+
+from .conftest import let_loop_run
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+_ROOT = Path(__file__).resolve().parent.parent
+_GUARD_S = 10.0
+
+
+class Producer:
+    """A producing process, its exported token, and its commands."""
+
+    def __init__(self, loop: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.relay_producer", loop],
+            cwd=_ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(_ROOT)},
+        )
+        self.token = self.read_token()
+
+    def read_token(self) -> FenceToken:
+        """The next token the producer printed (blocks: called off the loop, or briefly)."""
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line, f"the producer exited ({self.process.wait()}) before exporting"
+        token = pickle.loads(bytes.fromhex(line.decode()))
+        assert isinstance(token, FenceToken)
+        return token
+
+    def send(self, command: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command.encode() + b"\n")
+        self.process.stdin.flush()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(BrokenPipeError):  # exiting already
+                self.send("quit")
+        self.process.wait(_GUARD_S)
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def producer(request: pytest.FixtureRequest) -> Iterator[Producer]:
+    """A producer whose event loop is asyncio or trio."""
+    if request.param == "trio":
+        pytest.importorskip("trio")
+    started = Producer(request.param)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+async def test_the_import_resumes_after_the_producers_work_never_before(
+    producer: Producer,
+) -> None:
+    imported = asyncfence.import_fence(producer.token)
+    resumed: list[bool] = []
+
+    async def wait() -> None:
+        await imported
+        resumed.append(True)
+
+    with anyio.fail_after(_GUARD_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await let_loop_run()
+            assert not imported.done()
+            assert resumed == []  # never before the work
+            producer.send("release")
+    assert resumed == [True]
+    assert imported.done()
+    await imported  # done stays done
+
+
+async def test_the_producers_failed_work_raises_device_error(producer: Producer) -> None:
+    imported = asyncfence.import_fence(producer.token)
+    producer.send("fail")
+    with anyio.fail_after(_GUARD_S), pytest.raises(DeviceError) as raised:
+        await imported
+    assert raised.value.backend == "opencl"
+    with pytest.raises(DeviceError):
+        imported.done()  # and again, each with its own copy
+
+
+async def test_a_producer_killed_mid_work_ends_the_wait_with_a_clear_error(
+    producer: Producer,
+) -> None:
+    imported = asyncfence.import_fence(producer.token)
+    await let_loop_run()
+    producer.send("die")
+    with anyio.fail_after(_GUARD_S), pytest.raises(FenceLostError, match="pid"):
+        await imported
+    assert producer.process.wait(_GUARD_S) == 3
+
+
+async def test_a_timeout_leaves_the_import_valid(producer: Producer) -> None:
+    imported = asyncfence.import_fence(producer.token)
+    with pytest.raises(TimeoutError):
+        await imported.wait(timeout=0.01)
+    producer.send("release")
+    with anyio.fail_after(_GUARD_S):
+        await imported.wait()
+
+
+async def test_a_cancelled_wait_cancels_no_work_and_can_be_awaited_again(
+    producer: Producer,
+) -> None:
+    imported = asyncfence.import_fence(producer.token)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(imported.wait)
+            await let_loop_run()
+            scope.cancel()
+    assert scope.cancelled_caught
+    assert not imported.done()
+    producer.send("release")
+    with anyio.fail_after(_GUARD_S):
+        await imported
+
+
+async def test_a_token_reused_after_its_fence_was_released_is_refused(
+    producer: Producer,
+) -> None:
+    first = asyncfence.import_fence(producer.token)
+    producer.send("release")
+    with anyio.fail_after(_GUARD_S):
+        await first
+    again = asyncfence.import_fence(producer.token)
+    with anyio.fail_after(_GUARD_S), pytest.raises(TokenRefusedError, match="used already"):
+        await again
+
+
+async def test_a_forged_token_is_refused(producer: Producer) -> None:
+    forged = replace(producer.token, secret=secrets.token_bytes(len(producer.token.secret)))
+    with anyio.fail_after(_GUARD_S), pytest.raises(TokenRefusedError):
+        await asyncfence.import_fence(forged)
+    producer.send("release")  # the real one still answers
+    with anyio.fail_after(_GUARD_S):
+        await asyncfence.import_fence(producer.token)
+
+
+def test_a_token_pickles_and_hides_its_secret(producer: Producer) -> None:
+    token = producer.token
+    assert pickle.loads(pickle.dumps(token)) == token
+    assert token.secret.hex() not in repr(token)
+    assert token.producer_pid == producer.process.pid
+
+
+def test_bad_tokens_are_refused_before_any_connection() -> None:
+    with pytest.raises(TypeError, match="FenceToken"):
+        asyncfence.import_fence("not a token")  # type: ignore[arg-type]
