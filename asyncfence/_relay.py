@@ -167,9 +167,11 @@ class _Relay:
         _pid, uid, _gid = _PEER_CREDENTIALS.unpack(
             connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER_CREDENTIALS.size)
         )
+        # Read before any answer: a socket closed with a request unread
+        # resets, and the importer would lose the answer.
+        request = await self._request(connection)
         if uid != os.geteuid():
             return _REFUSED + b"the token was presented by a process of another user"
-        request = await self._request(connection)
         if len(request) != _REQUEST_BYTES or not request.startswith(_PROTOCOL):
             return _REFUSED + b"that is not an asyncfence token"
         core = self._exports.pop(request[len(_PROTOCOL) :], None)
@@ -283,7 +285,11 @@ def import_fence(token: FenceToken) -> ImportedFence:
         connection.setblocking(False)
         # A Unix socket connects at once, or refuses: no wait on either.
         connection.connect("\0" + token.address)
-        connection.send(_PROTOCOL + token.secret)  # into an empty buffer: never blocks
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            # Into an empty buffer: never blocks. The exporter may have
+            # answered and closed already (a refusal needs no request): what
+            # it sent, or the end of stream, is what the fence reads.
+            connection.send(_PROTOCOL + token.secret, socket.MSG_NOSIGNAL)
     except (ConnectionRefusedError, FileNotFoundError):
         connection.close()
         raise FenceLostError(

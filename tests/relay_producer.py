@@ -3,7 +3,8 @@
 Run as ``python -m tests.relay_producer LOOP``. It prints one line, the hex
 of the pickled :class:`~asyncfence.FenceToken`, then obeys one command a line
 on stdin, read by its event loop (no thread): ``release`` or ``fail`` the
-gate, ``export`` another token of the same fence (printed likewise), ``die``
+gate, ``export`` another token of the same fence (printed likewise),
+``threads`` (the names of its Python threads, printed likewise), ``die``
 (``os._exit`` at once, as a crash would), or ``quit`` (end the loop).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import threading
 from typing import Any
 
 import anyio
@@ -40,6 +42,8 @@ async def _produce() -> None:
             gate.fail()
         elif command == "export":
             say(fence.export())
+        elif command == "threads":
+            say(sorted(thread.name for thread in threading.enumerate()))
         elif command == "die":
             os._exit(3)
         elif command in ("quit", ""):

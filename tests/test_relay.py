@@ -14,6 +14,7 @@ import pickle
 import secrets
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,12 +49,16 @@ class Producer:
 
     def read_token(self) -> FenceToken:
         """The next token the producer printed (blocks: called off the loop, or briefly)."""
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        assert line, f"the producer exited ({self.process.wait()}) before exporting"
-        token = pickle.loads(bytes.fromhex(line.decode()))
+        token = self.read()
         assert isinstance(token, FenceToken)
         return token
+
+    def read(self) -> object:
+        """The next value the producer printed (blocks)."""
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line, f"the producer exited ({self.process.wait()}) before answering"
+        return pickle.loads(bytes.fromhex(line.decode()))
 
     def send(self, command: str) -> None:
         assert self.process.stdin is not None
@@ -181,3 +186,59 @@ def test_a_token_pickles_and_hides_its_secret(producer: Producer) -> None:
 def test_bad_tokens_are_refused_before_any_connection() -> None:
     with pytest.raises(TypeError, match="FenceToken"):
         asyncfence.import_fence("not a token")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="becoming another user needs root"
+)
+def test_a_token_presented_by_another_user_is_refused(producer: Producer) -> None:
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: another user, with asyncfence imported already
+        outcome = "no answer"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            imported = asyncfence.import_fence(producer.token)
+            deadline = time.monotonic() + _GUARD_S
+            while time.monotonic() < deadline:
+                try:
+                    if imported.done():
+                        outcome = "done"
+                        break
+                except TokenRefusedError as refused:
+                    outcome = f"refused: {refused}"
+                    break
+                time.sleep(0.01)  # a forked child of the test, not a loop
+        except BaseException as error:
+            outcome = repr(error)
+        finally:
+            os.write(write_end, outcome.encode())
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(child, 0)
+    with os.fdopen(read_end, "rb") as answer:
+        outcome = answer.read().decode()
+    assert outcome.startswith("refused: "), outcome
+    assert "another user" in outcome
+
+    async def the_owner_still_gets_its_answer() -> None:
+        imported = asyncfence.import_fence(producer.token)  # not used up by the refusal
+        producer.send("release")
+        with anyio.fail_after(_GUARD_S):
+            await imported
+
+    anyio.run(the_owner_still_gets_its_answer)
+
+
+@pytest.mark.usefixtures("no_thread_from_asyncfence")
+async def test_no_thread_is_started_on_either_side(producer: Producer) -> None:
+    imported = asyncfence.import_fence(producer.token)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(imported.wait)  # this side: the fixture fails a thread of asyncfence's
+        await let_loop_run()
+        producer.send("threads")
+        # The producer's loop serves the export and waits for the fence meanwhile.
+        assert producer.read() == ["MainThread"]
+        producer.send("release")
+    assert imported.done()
