@@ -14,12 +14,15 @@ import os
 import pickle
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 import asyncfence
 from asyncfence.testing import StreamGate, open_default_device
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 
 async def _produce() -> None:
@@ -33,9 +36,7 @@ async def _produce() -> None:
         sys.stdout.flush()
 
     say(fence.export())
-    while True:
-        await anyio.wait_readable(sys.stdin.fileno())
-        command = os.read(sys.stdin.fileno(), 64).decode().strip()
+    async for command in _commands():
         if command == "release":
             gate.release()
         elif command == "fail":
@@ -46,9 +47,23 @@ async def _produce() -> None:
             say(sorted(thread.name for thread in threading.enumerate()))
         elif command == "die":
             os._exit(3)
-        elif command in ("quit", ""):
-            gate.release()
+        elif command == "quit":
+            break
+    gate.release()
+
+
+async def _commands() -> AsyncIterator[str]:
+    """Lines from stdin, read on the loop; ends at ``quit`` or the end of stdin."""
+    pending = b""
+    while True:
+        await anyio.wait_readable(sys.stdin.fileno())
+        chunk = os.read(sys.stdin.fileno(), 4096)
+        if not chunk:
             return
+        # One read may hold several commands, or part of one.
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            yield line.decode().strip()
 
 
 def main() -> None:
