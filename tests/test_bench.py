@@ -24,6 +24,7 @@ from benchmarks.bench.base import (
     DEVICE_FINISH,
     PARK,
     POLL,
+    POLLED_10MS,
     SLEEP_0,
     SLEEP_1MS,
     TO_THREAD,
@@ -31,6 +32,7 @@ from benchmarks.bench.base import (
     Results,
     default_executor_workers,
 )
+from benchmarks.bench.cross_process import CROSS_PROCESS_CONTENDERS
 from benchmarks.bench.report import (
     BELOW_FLOOR,
     build_report,
@@ -702,6 +704,22 @@ def test_the_demo_succeeds_on_cuda(capsys: pytest.CaptureFixture[str], cuda_mode
 # -- whole quick runs, as CI and the GPU check do them ------------------------------------------
 
 
+def check_cross_process(figures: dict[str, Any]) -> None:
+    """The ways to resume across processes, each measured, as multiples of polling's p50."""
+    assert list(figures) == list(CROSS_PROCESS_CONTENDERS)
+    for name, f in figures.items():
+        assert f["trials"] == BenchConfig.smoke().cross_process_trials, name
+        present = [v for v in (f["p50_us"], f["p99_us"], f["max_us"]) if v is not None]
+        assert present == sorted(present), (name, f)
+        assert all(v > 0 for v in present), (name, f)
+    polled = figures[POLLED_10MS]
+    if polled["p50_us"] is not None:
+        assert polled["p50_vs_polled"] == 1.0
+        for f in figures.values():
+            if f["p50_us"] is not None:
+                assert f["p50_vs_polled"] == pytest.approx(f["p50_us"] / polled["p50_us"])
+
+
 def check_every_scenario(
     summary: dict[str, Any],
     names: list[str],
@@ -719,6 +737,7 @@ def check_every_scenario(
     asyncio's ``to_thread`` starts from a fresh default executor, so it starts
     at least one thread; trio's keeps idle threads for a while and may need none.
     """
+    check_cross_process(summary["wake_cross_process"])
     for key in LATENCY:
         parks = (AUTO, PARK, POLL, TO_THREAD)
         expected = [n for n in names if key != "out_of_order_park" or n in parks]
@@ -842,7 +861,7 @@ def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) 
     latency_tables = [
         block for block in result.stdout.split("\n\n") if block.startswith("wake latency, µs")
     ]
-    assert len(latency_tables) == len(LATENCY)
+    assert len(latency_tables) == len(LATENCY) + 1  # and the one across processes
     for block in latency_tables:
         assert not re.search(NEGATIVE, block), block
     # The same plot, drawn again from the report alone.

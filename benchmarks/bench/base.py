@@ -52,13 +52,29 @@ SLEEP_0 = "sleep(0) loop"
 NUMBA = "numba async_done"
 #: Not a way to wait: when the device itself finished, by its own stamps.
 DEVICE_FINISH = "device finished"
+# Across processes: asyncfence's import, and the usual workarounds.
+IMPORT = "asyncfence import"
+MESSAGE_AFTER_SYNC = "message after sync"
+POLLED_10MS = "polled, 10 ms"
 
 #: A wake later than this is "late" beside a CPU-bound thread: more than two
 #: of CPython's 5 ms GIL switch intervals.
 LATE_AFTER_S = 0.011
 
 #: The order every table lists its rows in: the contenders, then the device's own.
-CONTENDER_ORDER = (AUTO, PARK, POLL, TO_THREAD, SLEEP_1MS, SLEEP_0, NUMBA, DEVICE_FINISH)
+CONTENDER_ORDER = (
+    AUTO,
+    PARK,
+    POLL,
+    TO_THREAD,
+    SLEEP_1MS,
+    SLEEP_0,
+    NUMBA,
+    IMPORT,
+    MESSAGE_AFTER_SYNC,
+    POLLED_10MS,
+    DEVICE_FINISH,
+)
 
 _Value = TypeVar("_Value")
 
@@ -133,6 +149,7 @@ class BenchConfig:
         saturated_tasks: Tasks in the ring that keeps the loop busy.
         saturated_timeout_s: The bound on each trial on the saturated loop.
         cpu_thread_trials: Trials per contender beside a CPU-bound thread.
+        cross_process_trials: Trials per way of resuming across processes.
         out_of_order_trials: Trials per contender of out-of-order parking.
         parked_queues: Held queues with one parked wait each, for threads and RSS.
         parked_cpu_window_s: How long 64 parked waits are watched for CPU.
@@ -164,6 +181,7 @@ class BenchConfig:
     saturated_tasks: int = 8
     saturated_timeout_s: float = 0.5
     cpu_thread_trials: int = 100
+    cross_process_trials: int = 100
     out_of_order_trials: int = 30
     parked_queues: int = 1000
     parked_cpu_window_s: float = 0.5
@@ -195,6 +213,7 @@ class BenchConfig:
             saturated_trials=3,
             saturated_timeout_s=0.2,
             cpu_thread_trials=6,
+            cross_process_trials=6,
             out_of_order_trials=3,
             parked_queues=100,
             parked_cpu_window_s=0.05,

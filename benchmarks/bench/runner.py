@@ -19,7 +19,7 @@ import anyio
 import asyncfence
 from asyncfence.testing import open_default_device
 
-from . import drop, latency, load, signal_hold
+from . import cross_process, drop, latency, load, signal_hold
 from .base import BenchConfig, Results
 from .report import build_report, describe, plot, render, require_matplotlib, write_json
 from .targets import Context, contenders, device_finish_row, make_target, probe_contenders
@@ -102,6 +102,13 @@ SCENARIOS: list[Scenario] = [
         latency.wake_beside_cpu_thread,
         lambda c, n: c.cpu_thread_trials * n * 0.015,
         times_device_row=True,
+    ),
+    Scenario(
+        "wake_cross_process",
+        "wake latency across processes, beside the usual workarounds",
+        cross_process.cross_process,
+        # Three ways per round, each 0.5-3 ms of held work, a 10 ms poll at worst.
+        lambda c, n: (c.cross_process_trials + 1) * 3 * 0.008,
     ),
     Scenario(
         "out_of_order_park",
