@@ -217,6 +217,8 @@ class Fence:
         Raises:
             RuntimeError: No asyncio or trio loop runs the calling task.
             OSError: The relay's socket could not be made (no descriptor free).
+            NotImplementedError: Not on Linux (the relay needs its abstract
+                Unix sockets and ``SO_PEERCRED``).
 
         Thread-safety: the thread of the loop that serves the export.
         """

@@ -29,6 +29,7 @@ import os
 import secrets
 import socket
 import struct
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, final
@@ -77,6 +78,8 @@ class FenceToken:
         secret: The 32 random bytes that name the export.
         producer_pid: The exporting process, for messages.
         backend: The exported fence's backend, ``"opencl"`` or ``"cuda"``.
+
+    Thread-safety: immutable; any thread.
     """
 
     address: str
@@ -232,6 +235,11 @@ os.register_at_fork(after_in_child=_close_relays_in_child)
 
 def export_core(core: FenceCore) -> FenceToken:
     """Export ``core`` on the running loop's relay (see :meth:`asyncfence.Fence.export`)."""
+    if not sys.platform.startswith("linux"):
+        raise NotImplementedError(
+            "exporting a fence needs Linux: its relay is a Unix socket in Linux's abstract "
+            f"namespace that checks its peers with SO_PEERCRED (this is {sys.platform})"
+        )
     try:
         driver = current_driver()
     except RuntimeError:

@@ -1,6 +1,6 @@
 """A producing process for the cross-process tests: exports a fence held by a gate.
 
-Run as ``python -m tests.relay_producer LOOP``. It prints one line, the hex
+Run as ``python -m tests.relay_producer LOOP BACKEND``. It prints one line, the hex
 of the pickled :class:`~asyncfence.FenceToken`, then obeys one command a line
 on stdin, read by its event loop (no thread): ``release`` or ``fail`` the
 gate, ``export`` another token of the same fence (printed likewise),
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
 
-async def _produce() -> None:
-    device = open_default_device("opencl")
+async def _produce(backend: str) -> None:
+    device = open_default_device(backend)
     queue = device.new_stream()
     gate = StreamGate(queue)
     fence = asyncfence.record(queue)
@@ -67,13 +67,13 @@ async def _commands() -> AsyncIterator[str]:
 
 
 def main() -> None:
-    loop = sys.argv[1]
+    loop, backend = sys.argv[1:3]
     if loop == "trio":
-        anyio.run(_produce, backend="trio")
+        anyio.run(_produce, backend, backend="trio")
     elif loop == "uvloop":
-        anyio.run(_produce, backend_options={"use_uvloop": True})
+        anyio.run(_produce, backend, backend_options={"use_uvloop": True})
     else:
-        anyio.run(_produce)
+        anyio.run(_produce, backend)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ def run_example(script: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+        # PYTHONPATH: a process the example spawns imports this checkout too.
+        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none", "PYTHONPATH": str(ROOT)},
         timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -43,6 +44,17 @@ def run_example(script: str) -> subprocess.CompletedProcess[str]:
 )
 def test_example_runs(script: str, expected: str) -> None:
     assert expected in run_example(script).stdout
+
+
+def test_the_cross_process_consumer_reads_each_batch_after_its_fence() -> None:
+    result = run_example("cross_process.py")
+    lines = result.stdout.splitlines()
+    # Each batch checked (a batch read before its copy completed fails the run).
+    assert sorted(line for line in lines if "read after its fence" in line) == [
+        f"batch {index}: 65,536 bytes of {index + 1}, read after its fence" for index in range(6)
+    ]
+    assert lines[-1].startswith("6 batches from process ")
+    assert lines[-1].endswith("producer exit 0")
 
 
 def test_the_asyncio_example_reports_each_stream_once() -> None:

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -30,6 +30,8 @@ from .conftest import let_loop_run
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from asyncfence.testing import StreamGate
+
 _ROOT = Path(__file__).resolve().parent.parent
 _GUARD_S = 10.0
 
@@ -37,13 +39,16 @@ _GUARD_S = 10.0
 class Producer:
     """A producing process, its exported token, and its commands."""
 
-    def __init__(self, loop: str) -> None:
+    def __init__(
+        self, loop: str, backend: str = "opencl", env: dict[str, str] | None = None
+    ) -> None:
+        self.backend = backend
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.relay_producer", loop],
+            [sys.executable, "-m", "tests.relay_producer", loop, backend],
             cwd=_ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": str(_ROOT)},
+            env={**os.environ, "PYTHONPATH": str(_ROOT), **(env or {})},
         )
         self.token = self.read_token()
 
@@ -75,12 +80,26 @@ class Producer:
                 pipe.close()
 
 
-@pytest.fixture(params=["asyncio", "trio"])
+@pytest.fixture(params=["asyncio", "trio", "asyncio-cuda"])
 def producer(request: pytest.FixtureRequest) -> Iterator[Producer]:
-    """A producer whose event loop is asyncio or trio."""
-    if request.param == "trio":
+    """A producer whose event loop is asyncio or trio, on OpenCL; or asyncio on CUDA.
+
+    The relay is the same code on every backend; the CUDA producer runs on
+    the emulated driver in CI (on the real one where the tests do).
+    """
+    loop, _, backend = request.param.partition("-")
+    backend = backend or "opencl"
+    env: dict[str, str] = {}
+    if loop == "trio":
         pytest.importorskip("trio")
-    started = Producer(request.param)
+    if backend == "cuda":
+        if request.getfixturevalue("cuda_mode") == "emulated":
+            from .cuda_emulator import build
+
+            env["LD_LIBRARY_PATH"] = str(build().parent)
+        if request.node.get_closest_marker("fails_a_gate"):
+            pytest.skip("the host cannot fail a CUDA stream")
+    started = Producer(loop, backend, env)
     try:
         yield started
     finally:
@@ -109,6 +128,7 @@ async def test_the_import_resumes_after_the_producers_work_never_before(
     await imported  # done stays done
 
 
+@pytest.mark.fails_a_gate
 async def test_the_producers_failed_work_raises_device_error(producer: Producer) -> None:
     imported = asyncfence.import_fence(producer.token)
     producer.send("fail")
@@ -242,3 +262,86 @@ async def test_no_thread_is_started_on_either_side(producer: Producer) -> None:
         assert producer.read() == ["MainThread"]
         producer.send("release")
     assert imported.done()
+
+
+# -- in one process: the loop that exports may import too ------------------------------
+
+
+async def test_an_import_on_the_exporting_loop_resumes_after_the_work(gate: StreamGate) -> None:
+    fence = asyncfence.record(gate.stream)
+    imported = asyncfence.import_fence(fence.export())
+    await let_loop_run()
+    assert not imported.done()
+    gate.release()
+    with anyio.fail_after(_GUARD_S):
+        await imported
+    assert fence.done()
+    assert "done" in repr(imported)
+
+
+async def test_each_export_answers_its_own_import(gate: StreamGate) -> None:
+    fence = asyncfence.record(gate.stream)
+    tokens = [fence.export() for _ in range(3)]
+    assert len({token.secret for token in tokens}) == 3
+    assert len({token.address for token in tokens}) == 1  # one relay per loop
+    imported = [asyncfence.import_fence(token) for token in tokens]
+    gate.release()
+    with anyio.fail_after(_GUARD_S):
+        for each in imported:
+            await each
+
+
+async def test_a_settled_import_is_still_a_checkpoint(gate: StreamGate) -> None:
+    imported = asyncfence.import_fence(asyncfence.record(gate.stream).export())
+    gate.release()
+    with anyio.fail_after(_GUARD_S):
+        await imported
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await imported  # done, yet the pending cancellation is delivered here
+    assert scope.cancelled_caught
+
+
+def test_an_export_needs_a_running_loop(queue: Any) -> None:
+    fence = asyncfence.record(queue)
+    with pytest.raises(RuntimeError, match="running asyncio or trio event loop"):
+        fence.export()
+
+
+async def test_an_export_off_linux_is_refused(queue: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    fence = asyncfence.record(queue)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(NotImplementedError, match="needs Linux"):
+        fence.export()
+
+
+def test_an_import_whose_exporting_loop_ended_is_lost(queue: Any) -> None:
+    fence = asyncfence.record(queue)
+
+    async def export() -> FenceToken:
+        return fence.export()
+
+    token = anyio.run(export)
+    with pytest.raises(FenceLostError, match="event loop that exported it ended"):
+        asyncfence.import_fence(token)
+
+
+def test_an_imported_fence_is_made_by_import_fence_and_never_pickled(gate: StreamGate) -> None:
+    with pytest.raises(TypeError, match="import_fence"):
+        asyncfence.ImportedFence()
+
+    async def main() -> None:
+        imported = asyncfence.import_fence(asyncfence.record(gate.stream).export())
+        with pytest.raises(TypeError, match="send its FenceToken instead"):
+            pickle.dumps(imported)
+        gate.release()
+        with anyio.fail_after(_GUARD_S):
+            await imported
+
+    anyio.run(main)
+
+
+def test_a_secret_of_the_wrong_length_is_refused() -> None:
+    token = FenceToken("asyncfence-nowhere", b"short", os.getpid(), "opencl")
+    with pytest.raises(ValueError, match="32 bytes"):
+        asyncfence.import_fence(token)

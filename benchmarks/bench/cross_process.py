@@ -8,7 +8,8 @@ stamping the release. This process, the consumer, resumes by one of:
   (:func:`asyncfence.import_fence`) and awaits it; the producer's loop parks
   its own wait and answers.
 * ``message after sync``: the usual workaround with a thread, in the
-  producer: a thread per wait blocks in ``wait_sync`` and then writes a byte
+  producer: a thread per wait blocks in the runtime's own sync on its own
+  event (``clWaitForEvents``, ``cuEventSynchronize``) and then writes a byte
   to a pipe this loop watches.
 * ``polled, 10 ms``: the usual workaround without one, in the consumer: it
   looks for that byte every 10 ms (``await sleep(0.01)`` around a query).

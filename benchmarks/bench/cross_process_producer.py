@@ -5,7 +5,7 @@ It obeys one command a line on stdin, read by its asyncio loop: ``METHOD
 DELAY_S`` holds its queue behind a gate, records a fence behind it, and
 prints (as the hex of a pickle, one line each) the fence's token for the
 ``import`` method, or ``None`` for the others, whose waits a thread of its
-own makes (``wait_sync``, then one byte written to ``NOTIFY_FD``: the
+own makes (the runtime's blocking sync on its own event, then one byte written to ``NOTIFY_FD``: the
 message after a blocking sync). ``DELAY_S`` later it stamps
 ``time.perf_counter()`` (the system's monotonic clock, which both processes
 read), releases the gate, and prints the stamp. End of stdin ends it.
@@ -28,14 +28,16 @@ from asyncfence.testing import StreamGate, open_default_device
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from asyncfence.testing import Device
+
 
 def _say(value: Any) -> None:
     sys.stdout.write(pickle.dumps(value).hex() + "\n")
     sys.stdout.flush()
 
 
-def _message_after_sync(fence: asyncfence.Fence, notify_fd: int) -> None:
-    fence.wait_sync()
+def _message_after_sync(device: Device, event: Any, notify_fd: int) -> None:
+    device.raw_block(event)  # the runtime's own blocking sync (clWaitForEvents)
     os.write(notify_fd, b"x")
 
 
@@ -57,11 +59,11 @@ async def _produce(backend: str, notify_fd: int) -> None:
     async for line in _lines():
         method, delay_s = line.split()
         gate = StreamGate(queue)
-        fence = asyncfence.record(queue)
         if method == "import":
-            _say(fence.export())
+            _say(asyncfence.record(queue).export())
         else:
-            threading.Thread(target=_message_after_sync, args=(fence, notify_fd)).start()
+            event = device.raw_record(queue)
+            threading.Thread(target=_message_after_sync, args=(device, event, notify_fd)).start()
             _say(None)
         await anyio.sleep(float(delay_s))
         stamp = time.perf_counter()
