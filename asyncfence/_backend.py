@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from . import _fork
+from ._exceptions import FenceError
 from ._validation import type_name
 
 if TYPE_CHECKING:
@@ -289,6 +290,34 @@ class Backend(Protocol[MarkerT]):
         Raises:
             DeviceError: The runtime refused; as a record would.
         """
+        return None  # noqa: RET501 (a body: a default, not an abstract member)
+
+    def export_marker(self, marker: MarkerT, queue: QueueInfo) -> tuple[bytes, object] | None:
+        """A handle by which another process's runtime can wait for ``marker``'s point.
+
+        For runtimes with interprocess events (CUDA). The exporter keeps the
+        second item, and gives it to :meth:`release_export` only once no
+        importer may still use the handle. By default there is none: the
+        relay alone carries the fence's end (:mod:`asyncfence._relay`).
+
+        Raises:
+            DeviceError: The runtime refused.
+        """
+        return None
+
+    def import_marker(self, handle: bytes) -> tuple[MarkerT, QueueInfo]:
+        """A marker of this process for another process's :meth:`export_marker` handle.
+
+        Its :meth:`release` frees what opening it made.
+
+        Raises:
+            FenceError: The handle's device is not visible in this process.
+            DeviceError: The runtime refused to open it.
+        """
+        raise FenceError(f"{self.title} has no interprocess markers")
+
+    def release_export(self, kept: object) -> None:
+        """Free what :meth:`export_marker` kept, once no importer may use its handle."""
         return None  # noqa: RET501 (a body: a default, not an abstract member)
 
     def runtime_initialised(self) -> bool:

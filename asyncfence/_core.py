@@ -22,7 +22,7 @@ from ._validation import type_name
 if TYPE_CHECKING:
     from ._backend import Backend, NativeSignal, QueueInfo
 
-__all__ = ["DONE", "FAILED", "PENDING", "ArmResult", "FenceCore", "record_core"]
+__all__ = ["DONE", "FAILED", "PENDING", "ArmResult", "FenceCore", "import_core", "record_core"]
 
 PENDING: Final = 0
 DONE: Final = 1
@@ -212,6 +212,23 @@ class FenceCore:
             self._unpin()
         return "armed" if armed else "unsignalled"
 
+    def export_marker(self) -> tuple[bytes, object] | None:
+        """An interprocess handle for this fence's point, and what keeps it valid.
+
+        ``None`` if the fence settled, or its backend has no interprocess
+        markers (see ``Backend.export_marker``).
+
+        Raises:
+            DeviceError: The runtime refused.
+        """
+        marker = self._pin()
+        if marker is None:
+            return None
+        try:
+            return self.backend.export_marker(marker, self.queue)
+        finally:
+            self._unpin()
+
     def enqueue_wait(self, stream: object) -> None:
         """Make ``stream`` wait on the device for this fence (see ``Fence.enqueue_wait``)."""
         backend = self.backend
@@ -254,3 +271,18 @@ def record_core(stream: object) -> FenceCore:
     if not backend.fork_safe:  # a runtime that does not survive fork()
         _fork.note_used(backend.name)
     return FenceCore(backend, marker, queue, seq)
+
+
+def import_core(backend: Backend[Any], handle: bytes) -> FenceCore:
+    """A fence of this process on another process's exported marker (``Backend.import_marker``).
+
+    Raises:
+        FenceError: The handle cannot be opened here (its device is not
+            visible), or this process was forked after the backend was used.
+        DeviceError: The runtime refused to open it.
+    """
+    _fork.check_unused_by_parent(backend.name, backend.title)
+    marker, queue = backend.import_marker(handle)
+    if not backend.fork_safe:
+        _fork.note_used(backend.name)
+    return FenceCore(backend, marker, queue, next(_sequence))

@@ -30,13 +30,17 @@ import secrets
 import socket
 import struct
 import sys
+import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
 
-from ._config import check_timeout
+from ._backend import backend_named
+from ._config import check_timeout, current_config
+from ._core import DONE, FAILED, PENDING, import_core
 from ._exceptions import DeviceError, FenceError, FenceLostError, TokenRefusedError
 from ._loops import current_driver
+from ._poller import poller_of
 from ._validation import type_name
 
 if TYPE_CHECKING:
@@ -53,7 +57,13 @@ _logger = logging.getLogger("asyncfence.relay")
 _PROTOCOL: Final = b"AF1"
 _SECRET_BYTES: Final = 32
 _REQUEST_BYTES: Final = len(_PROTOCOL) + _SECRET_BYTES
-# An answer: one of these bytes, then its details; the connection's end ends it.
+# An answer: its length (4 bytes, big-endian), then one of these bytes and its
+# details. The connection stays open after an answer where the importer may
+# still wait on an interprocess handle: it closes, and the exporter then frees it.
+# Before the answer, where the export has an interprocess handle: the token is
+# good. Until then the importer's own device may not end its wait: a handle
+# can outlive its token (used already, or presented twice).
+_ACCEPTED: Final = b"A"
 _DONE: Final = b"D"
 _FAILED: Final = b"F"  # then a DeviceError as JSON
 _REFUSED: Final = b"R"  # then why, in UTF-8
@@ -61,6 +71,7 @@ _ERROR: Final = b"E"  # then a FenceError's message, in UTF-8
 # Answers are a few hundred bytes; anything longer is not one.
 _ANSWER_LIMIT: Final = 64 * 1024
 _PEER_CREDENTIALS: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_LENGTH: Final = struct.Struct("!I")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +89,9 @@ class FenceToken:
         secret: The 32 random bytes that name the export.
         producer_pid: The exporting process, for messages.
         backend: The exported fence's backend, ``"opencl"`` or ``"cuda"``.
+        interprocess: Where the backend has interprocess events (CUDA), the
+            handle of one that completes with the fence, which the importer's
+            own device waits on; ``None`` elsewhere, or once the fence was done.
 
     Thread-safety: immutable; any thread.
     """
@@ -86,6 +100,14 @@ class FenceToken:
     secret: bytes = field(repr=False)
     producer_pid: int
     backend: str
+    interprocess: bytes | None = field(default=None, repr=False)
+
+
+class _Export(NamedTuple):
+    """An exported fence, and what keeps its interprocess handle valid (or ``None``)."""
+
+    core: FenceCore
+    kept: object
 
 
 class _Relay:
@@ -93,7 +115,7 @@ class _Relay:
 
     def __init__(self, driver: LoopDriver) -> None:
         self._driver = driver
-        self._exports: dict[bytes, FenceCore] = {}
+        self._exports: dict[bytes, _Export] = {}
         self.address = f"asyncfence-{os.getpid()}-{secrets.token_hex(12)}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
@@ -112,8 +134,17 @@ class _Relay:
 
     def export(self, core: FenceCore) -> FenceToken:
         secret = secrets.token_bytes(_SECRET_BYTES)
-        self._exports[secret] = core
-        return FenceToken(self.address, secret, os.getpid(), core.backend.name)
+        exported = core.export_marker()  # DeviceError: the fence cannot be exported
+        handle, kept = (None, None) if exported is None else exported
+        self._exports[secret] = _Export(core, kept)
+        return FenceToken(self.address, secret, os.getpid(), core.backend.name, handle)
+
+    def _release_export(self, export: _Export) -> None:
+        if export.kept is not None:
+            try:
+                export.core.backend.release_export(export.kept)
+            except Exception:
+                _logger.exception("asyncfence: releasing an exported fence's handle failed")
 
     async def _serve(self) -> None:
         """Accept importers for as long as the loop runs; each gets a task of its own."""
@@ -143,30 +174,53 @@ class _Relay:
             # Cancelled with its loop, or stopped: the importers still waiting
             # see the end of the stream, and the exports are gone.
             listener.close()
-            self._exports.clear()
+            # Never imported, so never opened: nobody can wait on their handles.
+            exports, self._exports = self._exports, {}
+            for export in exports.values():
+                self._release_export(export)
             if self._driver.relay is self:
                 self._driver.relay = None
             _live_relays.discard(self)
 
     async def _answer(self, connection: socket.socket) -> None:
+        export: _Export | None = None
         try:
             try:
-                answer = await self._answer_for(connection)
+                answer, export = await self._answer_for(connection)
             except FenceError as error:  # the wait itself failed (forked, say)
                 answer = _ERROR + str(error).encode()
             except Exception:
                 _logger.exception("asyncfence: the fence relay failed to answer an import")
                 answer = _ERROR + b"the exporting process failed to answer"
             with contextlib.suppress(OSError):  # the importer went away
-                connection.send(answer)  # a few hundred bytes on a fresh socket: never blocks
+                # A few hundred bytes on a fresh socket: never blocks.
+                connection.send(_frame(answer))
+            if export is not None and export.kept is not None:
+                # The importer may still wait on the handle with its device:
+                # it is freed once the importer closes (or dies). Cancelled
+                # before that (this loop ends), it is left to the process's
+                # end: freeing it under a waiting importer is undefined.
+                await self._until_closed(connection)
+                self._release_export(export)
         finally:
             self._close(connection)
+
+    async def _until_closed(self, connection: socket.socket) -> None:
+        """Until the importer closes its end: a request is all it ever sends."""
+        while True:
+            try:
+                if not connection.recv(64):
+                    return
+            except (BlockingIOError, InterruptedError):
+                await self._driver.wait_readable(connection.fileno())
+            except OSError:  # reset: gone as well
+                return
 
     def _close(self, connection: socket.socket) -> None:
         self._connections.discard(connection)
         connection.close()
 
-    async def _answer_for(self, connection: socket.socket) -> bytes:
+    async def _answer_for(self, connection: socket.socket) -> tuple[bytes, _Export | None]:
         _pid, uid, _gid = _PEER_CREDENTIALS.unpack(
             connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER_CREDENTIALS.size)
         )
@@ -174,16 +228,19 @@ class _Relay:
         # resets, and the importer would lose the answer.
         request = await self._request(connection)
         if uid != os.geteuid():
-            return _REFUSED + b"the token was presented by a process of another user"
+            return _REFUSED + b"the token was presented by a process of another user", None
         if len(request) != _REQUEST_BYTES or not request.startswith(_PROTOCOL):
-            return _REFUSED + b"that is not an asyncfence token"
-        core = self._exports.pop(request[len(_PROTOCOL) :], None)
-        if core is None:
-            return _REFUSED + b"no such export: the token is forged, or was used already"
+            return _REFUSED + b"that is not an asyncfence token", None
+        export = self._exports.pop(request[len(_PROTOCOL) :], None)
+        if export is None:
+            return _REFUSED + b"no such export: the token is forged, or was used already", None
+        if export.kept is not None:
+            with contextlib.suppress(OSError):  # the importer went away
+                connection.send(_frame(_ACCEPTED))
         from ._fence import Fence
 
         try:
-            await Fence._of(core).wait()
+            await Fence._of(export.core).wait()
         except DeviceError as error:
             return (
                 _FAILED
@@ -195,8 +252,8 @@ class _Relay:
                         "detail": error.detail,
                     }
                 ).encode()
-            )
-        return _DONE
+            ), export
+        return _DONE, export
 
     async def _request(self, connection: socket.socket) -> bytes:
         """The importer's request: up to its length, or what came before the end of stream."""
@@ -219,6 +276,10 @@ class _Relay:
             connection.close()
         self._connections.clear()
         self._exports.clear()
+
+
+def _frame(message: bytes) -> bytes:
+    return _LENGTH.pack(len(message)) + message
 
 
 _live_relays: weakref.WeakSet[_Relay] = weakref.WeakSet()
@@ -288,6 +349,8 @@ def import_fence(token: FenceToken) -> ImportedFence:
         raise ValueError(
             f"a FenceToken's secret is {_SECRET_BYTES} bytes long, got {len(token.secret)}"
         )
+    if token.interprocess is not None and not isinstance(token.interprocess, bytes):
+        raise TypeError("a FenceToken's interprocess handle must be bytes or None")
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         connection.setblocking(False)
@@ -313,7 +376,24 @@ def import_fence(token: FenceToken) -> ImportedFence:
     except BaseException:
         connection.close()
         raise
-    return ImportedFence._of(connection, token)
+    # Opened only once connected: the exporter keeps the handle valid until
+    # this connection ends, and closing it is the last thing this side does.
+    return ImportedFence._of(connection, token, _open_locally(token))
+
+
+def _open_locally(token: FenceToken) -> FenceCore | None:
+    """The exporter's interprocess event, opened on this process's device; else ``None``.
+
+    Without one (OpenCL; the device not visible here; the same process, whose
+    runtime refuses its own handles) the relay's answer alone ends the wait.
+    """
+    if token.interprocess is None or token.producer_pid == os.getpid():
+        return None
+    try:
+        return import_core(backend_named(token.backend), token.interprocess)
+    except (FenceError, KeyError, ValueError) as error:
+        _logger.debug("asyncfence: waiting for an imported fence by its relay only: %s", error)
+        return None
 
 
 @final
@@ -321,9 +401,13 @@ class ImportedFence:
     """A fence that another process exported, to await on this process's loop.
 
     Made by :func:`asyncfence.import_fence`. ``await fence`` (or
-    :meth:`wait`) resumes once the exporting process has seen its fence
-    complete, and never before. No thread is spent: this loop watches the
-    connection to the exporter, and the exporter's loop parks its own wait.
+    :meth:`wait`) resumes once the exporting process's work before the fence
+    is done, and never before. No thread is spent: this loop watches the
+    connection to the exporter, and the exporter's loop parks its own wait
+    and answers. On CUDA the fence also waits on this process's device: it
+    opens the exporter's interprocess event and parks on it as on a local
+    fence, so the wake needs nothing of the exporter's loop, and
+    :meth:`enqueue_wait` makes a stream of this process wait for it.
 
     Cancellation: cancelling a wait cancels nothing in either process and
     leaves other waits on the fence waiting; the fence can be awaited again.
@@ -334,8 +418,10 @@ class ImportedFence:
 
     __slots__ = (
         "__weakref__",
+        "_accepted",
         "_answer",
         "_failure",
+        "_local",
         "_reader",
         "_settled",
         "_socket",
@@ -346,8 +432,10 @@ class ImportedFence:
     _socket: socket.socket
     _token: FenceToken
     _answer: bytearray
+    _accepted: bool  # the exporter took the token (sent before its answer)
     _settled: bool
     _failure: FenceError | None
+    _local: FenceCore | None  # the exporter's interprocess event, opened here
     _reader: LoopDriver | None  # the driver of the loop whose system task reads
     _waiters: list[Waiter]
 
@@ -355,8 +443,12 @@ class ImportedFence:
         raise TypeError("imported fences are made by asyncfence.import_fence(token)")
 
     @classmethod
-    def _of(cls, connection: socket.socket, token: FenceToken) -> ImportedFence:
+    def _of(
+        cls, connection: socket.socket, token: FenceToken, local: FenceCore | None
+    ) -> ImportedFence:
         fence = object.__new__(cls)
+        fence._local = local
+        fence._accepted = False
         fence._socket = connection
         fence._token = token
         fence._answer = bytearray()
@@ -367,6 +459,9 @@ class ImportedFence:
         return fence
 
     def __del__(self) -> None:
+        # The opened event first (its core's release destroys it), then the
+        # connection: the exporter frees its event once this side closes.
+        self._local = None
         connection = getattr(self, "_socket", None)
         if connection is not None:
             connection.close()
@@ -395,6 +490,8 @@ class ImportedFence:
             FenceLostError: The exporting process went away first.
             TokenRefusedError: The exporting process refused the token.
         """
+        if self._local_done():
+            return True
         if not self._settled and self._reader is None:
             self._receive()
         if self._failure is not None:
@@ -424,23 +521,64 @@ class ImportedFence:
         """
         seconds = check_timeout(timeout)
         driver = current_driver()
-        if self._settled or seconds == 0 or (self._reader is None and self._receive()):
+        if seconds == 0 or (self._reader is None and self._receive()) or self._decided():
             await driver.checkpoint()
             self._outcome(seconds)
             return
         self._ensure_reader(driver)
-        waiter = driver.new_waiter()
-        self._waiters.append(waiter)
-        woken = False
-        try:
-            woken = await driver.suspend(waiter, seconds)
-        finally:
-            if not woken and waiter in self._waiters:
-                self._waiters.remove(waiter)
+        deadline = time.monotonic() + seconds
+        local = self._local
+        remaining = seconds
+        while remaining > 0 and not self._decided():
+            waiter = driver.new_waiter()
+            # Woken by whichever comes first: a message of the exporter's, or
+            # (on CUDA) this device passing the opened event, parked like a
+            # local fence's wait.
+            self._waiters.append(waiter)
+            parked = local is not None and local.state == PENDING
+            poller = poller_of(driver) if parked else None
+            try:
+                if poller is not None and local is not None:
+                    poller.add(local, waiter, current_config().strategy)
+                await driver.suspend(waiter, remaining)
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+                if poller is not None and local is not None:
+                    poller.discard(local, waiter)  # a no-op once it woke the waiter
+            remaining = deadline - time.monotonic()
         self._outcome(seconds)
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
+
+    def enqueue_wait(self, stream: object) -> None:
+        """Make ``stream``, of this process, wait on the device for the exporter's work.
+
+        Where the fence's backend has interprocess events (CUDA): the stream
+        waits for the exporter's event, opened on the same device here. Never
+        blocks the host.
+
+        Args:
+            stream: A stream of the fence's backend, on any context.
+
+        Raises:
+            FenceError: The fence has no interprocess event here (OpenCL; the
+                exporter's device is not visible in this process; the
+                exporting process itself): await it instead.
+            TypeError: ``stream`` is not a stream of the fence's backend.
+            DeviceError: The runtime refused.
+
+        Thread-safety: any thread.
+        """
+        local = self._local
+        if local is None:
+            raise FenceError(
+                f"{self!r} has no interprocess event in this process: only its await "
+                "ends with the exporter's work (device waits need CUDA, and the "
+                "exporter's device visible here)"
+            )
+        local.enqueue_wait(stream)
 
     # -- the answer ----------------------------------------------------------------
 
@@ -463,10 +601,14 @@ class ImportedFence:
         finally:
             self._reader = None
             if self._settled:
-                self._socket.close()
-                waiters, self._waiters = self._waiters, []
-                for waiter in waiters:
-                    waiter.wake(None)  # each raises its own copy of the outcome
+                if self._local is None:  # else closed after the opened event is freed
+                    self._socket.close()
+                self._wake_all()
+
+    def _wake_all(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.wake(None)  # each decides what it raises, with its own copy
 
     def _receive(self) -> bool:
         """Read what the exporter sent, without blocking; whether the answer is complete."""
@@ -483,10 +625,22 @@ class ImportedFence:
             if not chunk:
                 break
             self._answer += chunk
-            if len(self._answer) > _ANSWER_LIMIT:
-                self._settle(FenceError("the exporting process sent no asyncfence answer"))
-                return True
-        self._settle(self._parse(bytes(self._answer)))
+            while len(self._answer) >= _LENGTH.size:
+                (length,) = _LENGTH.unpack_from(self._answer)
+                if length > _ANSWER_LIMIT:
+                    self._settle(FenceError("the exporting process sent no asyncfence answer"))
+                    return True
+                if len(self._answer) < _LENGTH.size + length:
+                    break
+                message = bytes(self._answer[_LENGTH.size : _LENGTH.size + length])
+                del self._answer[: _LENGTH.size + length]
+                if message != _ACCEPTED:
+                    self._settle(self._parse(message))
+                    return True
+                self._accepted = True
+                self._wake_all()  # a wait the device already ended may end now
+        # The end of the stream before a whole answer: nobody will answer now.
+        self._settle(self._lost("it went away before the fence completed"))
         return True
 
     def _settle(self, failure: FenceError | None) -> None:
@@ -514,8 +668,6 @@ class ImportedFence:
             return TokenRefusedError(f"the exporting process refused the token: {reason}")
         if kind == _ERROR:
             return FenceError(details.decode(errors="replace"))
-        if not answer:
-            return self._lost("it went away before the fence completed")
         return FenceError("the exporting process sent no asyncfence answer")
 
     def _lost(self, why: str) -> FenceLostError:
@@ -529,8 +681,26 @@ class ImportedFence:
         assert failure is not None
         return copy.copy(failure).with_traceback(None)
 
+    def _local_done(self) -> bool:
+        """Whether this device passed the exporter's event, for a token the exporter took."""
+        local = self._local
+        return self._accepted and local is not None and local.poll() == DONE
+
+    def _decided(self) -> bool:
+        local = self._local
+        return self._settled or (self._accepted and local is not None and local.poll() != PENDING)
+
     def _outcome(self, seconds: float) -> None:
-        if self._failure is not None:
+        failure = self._failure
+        if isinstance(failure, TokenRefusedError):
             raise self._fresh_failure()
-        if not self._settled:
-            raise TimeoutError(f"{self!r} did not complete within {seconds} s")
+        if self._local_done():
+            return  # the work is done, whatever became of the exporter since
+        if failure is not None:
+            raise self._fresh_failure()
+        if self._settled:
+            return
+        local = self._local
+        if local is not None and local.state == FAILED:
+            local.raise_failure()  # this process's own device failed
+        raise TimeoutError(f"{self!r} did not complete within {seconds} s")

@@ -3,7 +3,8 @@
 Run as ``python -m tests.relay_producer LOOP BACKEND``. It prints one line, the hex
 of the pickled :class:`~asyncfence.FenceToken`, then obeys one command a line
 on stdin, read by its event loop (no thread): ``release`` or ``fail`` the
-gate, ``export`` another token of the same fence (printed likewise),
+gate, ``release-and-block`` (release it, then block the loop until the next
+line: no relay answers meanwhile), ``export`` another token of the same fence (printed likewise),
 ``threads`` (the names of its Python threads, printed likewise), ``die``
 (``os._exit`` at once, as a crash would), or ``quit`` (end the loop).
 """
@@ -39,6 +40,10 @@ async def _produce(backend: str) -> None:
     async for command in _commands():
         if command == "release":
             gate.release()
+        elif command == "release-and-block":
+            gate.release()
+            # The loop stops here, answering nothing, until the next line.
+            os.read(sys.stdin.fileno(), 4096)
         elif command == "fail":
             gate.fail()
         elif command == "export":

@@ -1512,3 +1512,119 @@ def test_after_warm_up_the_first_record_and_park_make_no_blocking_call(
     assert result.returncode == 0, result.stderr[-3000:]
     if start == "warmed, parked" and shim() is not None:
         assert result.stdout.split() == ["1"]  # parked, and woken by its signal
+
+
+# -- the emulated driver's interprocess events ------------------------------------------
+
+_IPC_CHILD = """
+import ctypes, sys
+from cuda.bindings import driver as drv
+
+drv.cuInit(0)
+_, device = drv.cuDeviceGet(0)
+_, context = drv.cuDevicePrimaryCtxRetain(device)
+drv.cuCtxSetCurrent(context)
+handle = drv.CUipcEventHandle()
+ctypes.memmove(handle.getPtr(), bytes.fromhex(sys.argv[1]), 64)
+err, event = drv.cuIpcOpenEventHandle(handle)
+print(int(err), flush=True)
+if err == 0:
+    for _ in sys.stdin:  # one query per line
+        print(int(drv.cuEventQuery(event)[0]), flush=True)
+    drv.cuEventDestroy(event)
+"""
+
+
+def _ipc_event(driver: Any) -> Any:
+    flags = (
+        driver.CUevent_flags.CU_EVENT_INTERPROCESS | driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+    )
+    err, event = driver.cuEventCreate(flags)
+    assert err == driver.CUresult.CUDA_SUCCESS
+    return event
+
+
+def _handle_hex(driver: Any, event: Any) -> str:
+    import ctypes
+
+    err, handle = driver.cuIpcGetEventHandle(event)
+    assert err == driver.CUresult.CUDA_SUCCESS
+    return ctypes.string_at(handle.getPtr(), 64).hex()
+
+
+def _open_in_another_process(handle_hex: str, emulator: Emulator) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _IPC_CHILD, handle_hex],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "LD_LIBRARY_PATH": str(emulator.path.parent)},
+    )
+
+
+def test_an_interprocess_event_completes_in_the_process_that_opened_it(
+    cuda_stream: Any, emulator: Emulator
+) -> None:
+    from cuda.bindings import driver
+
+    event = _ipc_event(driver)
+    try:
+        with hold(cuda_stream) as gate:
+            assert driver.cuEventRecord(event, cuda_stream)[0] == driver.CUresult.CUDA_SUCCESS
+            child = _open_in_another_process(_handle_hex(driver, event), emulator)
+            assert child.stdin is not None
+            assert child.stdout is not None
+            assert child.stdout.readline() == "0\n"  # opened
+            child.stdin.write("query\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == f"{int(driver.CUresult.CUDA_ERROR_NOT_READY)}\n"
+            gate.release()
+        assert driver.cuEventSynchronize(event)[0] == driver.CUresult.CUDA_SUCCESS
+        child.stdin.write("query\n")
+        child.stdin.close()
+        assert child.stdout.readline() == "0\n"  # done there too
+        child.stdout.close()
+        assert child.wait(30) == 0
+    finally:
+        driver.cuEventDestroy(event)
+
+
+def test_a_destroyed_interprocess_event_cannot_be_opened(
+    cuda_device: CudaDevice, emulator: Emulator
+) -> None:
+    from cuda.bindings import driver
+
+    event = _ipc_event(driver)
+    handle_hex = _handle_hex(driver, event)
+    driver.cuEventDestroy(event)
+    child = _open_in_another_process(handle_hex, emulator)
+    out, _ = child.communicate(timeout=30)
+    assert out == f"{int(driver.CUresult.CUDA_ERROR_MAP_FAILED)}\n"
+
+
+def test_the_emulator_checks_interprocess_events_and_handles(
+    cuda_device: CudaDevice, emulator: Emulator
+) -> None:
+    import ctypes
+
+    from cuda.bindings import driver
+
+    invalid = driver.CUresult.CUDA_ERROR_INVALID_VALUE
+    # An interprocess event keeps no timing.
+    assert driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_INTERPROCESS)[0] == invalid
+    plain = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)[1]
+    try:
+        assert driver.cuIpcGetEventHandle(plain)[0] == invalid  # not interprocess
+    finally:
+        driver.cuEventDestroy(plain)
+    event = _ipc_event(driver)
+    try:
+        handle = driver.cuIpcGetEventHandle(event)[1]
+        # Not in the process that exported it.
+        err, _ = driver.cuIpcOpenEventHandle(handle)
+        assert err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
+    finally:
+        driver.cuEventDestroy(event)
+    garbage = driver.CUipcEventHandle()
+    ctypes.memmove(garbage.getPtr(), b"\x01" * 64, 64)
+    assert driver.cuIpcOpenEventHandle(garbage)[0] == invalid

@@ -23,17 +23,19 @@ import anyio
 import pytest
 
 import asyncfence
-from asyncfence import DeviceError, FenceLostError, FenceToken, TokenRefusedError
+from asyncfence import DeviceError, FenceError, FenceLostError, FenceToken, TokenRefusedError
+from asyncfence.testing import open_default_device
 
-from .conftest import let_loop_run
+from .conftest import let_loop_run, until
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from asyncfence.testing import StreamGate
+    from asyncfence.testing import Device, StreamGate
 
 _ROOT = Path(__file__).resolve().parent.parent
 _GUARD_S = 10.0
+_cuda_devices: dict[str, Device] = {}
 
 
 class Producer:
@@ -97,6 +99,9 @@ def producer(request: pytest.FixtureRequest) -> Iterator[Producer]:
             from .cuda_emulator import build
 
             env["LD_LIBRARY_PATH"] = str(build().parent)
+        # This process opens the producer's interprocess events: with the
+        # driver loaded, as asyncfence.warm_up() would load it.
+        _cuda_devices.setdefault("cuda", open_default_device("cuda"))
         if request.node.get_closest_marker("fails_a_gate"):
             pytest.skip("the host cannot fail a CUDA stream")
     started = Producer(loop, backend, env)
@@ -345,3 +350,57 @@ def test_a_secret_of_the_wrong_length_is_refused() -> None:
     token = FenceToken("asyncfence-nowhere", b"short", os.getpid(), "opencl")
     with pytest.raises(ValueError, match="32 bytes"):
         asyncfence.import_fence(token)
+
+
+# -- CUDA: the importer's own device waits on the exporter's interprocess event ---------
+
+
+@pytest.fixture
+def cuda_producer(producer: Producer) -> Producer:
+    if producer.backend != "cuda":
+        pytest.skip("interprocess events are CUDA's")
+    assert producer.token.interprocess is not None
+    return producer
+
+
+async def test_the_importers_device_ends_the_wait_with_the_exporters_loop_blocked(
+    cuda_producer: Producer,
+) -> None:
+    imported = asyncfence.import_fence(cuda_producer.token)
+    with anyio.fail_after(_GUARD_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(imported.wait)
+            await until(lambda: imported._accepted)  # the exporter took the token
+            assert not imported.done()
+            cuda_producer.send("release-and-block")  # its loop answers nothing from now on
+        # The wait ended: this device's wait on the opened event resumed it.
+    assert imported.done()
+    cuda_producer.send("unblock")
+
+
+async def test_a_stream_of_the_importer_waits_for_the_exporters_work(
+    cuda_producer: Producer,
+) -> None:
+    stream = _cuda_devices["cuda"].new_stream()
+    imported = asyncfence.import_fence(cuda_producer.token)
+    imported.enqueue_wait(stream)
+    after = asyncfence.record(stream)
+    await let_loop_run()
+    assert not after.done()  # held by the exporter's gate, in another process
+    cuda_producer.send("release")
+    with anyio.fail_after(_GUARD_S):
+        await after
+    with anyio.fail_after(_GUARD_S):
+        await imported
+
+
+async def test_an_opencl_import_has_no_device_wait(producer: Producer, queue: Any) -> None:
+    if producer.backend != "opencl":
+        pytest.skip("the relay alone carries an OpenCL fence")
+    assert producer.token.interprocess is None
+    imported = asyncfence.import_fence(producer.token)
+    with pytest.raises(FenceError, match="no interprocess event"):
+        imported.enqueue_wait(queue)
+    producer.send("release")
+    with anyio.fail_after(_GUARD_S):
+        await imported

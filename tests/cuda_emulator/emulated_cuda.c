@@ -22,6 +22,11 @@
  *     its context captures (STREAM_CAPTURE_IMPLICIT), and "unsafe" calls
  *     (queries, synchronizations, cuMemAlloc) are refused and invalidate the
  *     capture as the capture modes say; graphs replay their captured memsets.
+ *   - interprocess events (CU_EVENT_INTERPROCESS, cuIpcGetEventHandle,
+ *     cuIpcOpenEventHandle) keep their record and completion counts in a
+ *     memfd that the importing process maps (through /proc/PID/fd: the same
+ *     user only, as the real driver's IPC); a wait on an opened event polls
+ *     them, and the exporter's context fault never completes them;
  * Test hooks (emu_*) hold and release streams, inject faults and count live
  * objects. Handles are validated against registries, so a stale or bogus
  * handle gives CUDA_ERROR_INVALID_HANDLE instead of a crash.
@@ -37,12 +42,16 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #ifdef ASYNCFENCE_WITH_CUDA_H
 /* As the driver's own build: cuda.h then declares every exported name as it is
@@ -85,6 +94,12 @@ typedef struct CUgraphNode_st *CUgraphNode;
 typedef struct CUgraphExec_st *CUgraphExec;
 typedef struct CUgraphEdgeData_st CUgraphEdgeData;
 typedef void (*CUhostFn)(void *);
+#define IPC_HANDLE_SIZE 64
+#ifndef ASYNCFENCE_WITH_CUDA_H
+typedef struct CUipcEventHandle_st { char reserved[IPC_HANDLE_SIZE]; } CUipcEventHandle_v1;
+typedef struct CUuuid_st { char bytes[16]; } CUuuid;
+#endif
+typedef struct CUipcEventHandle_st CUipcEventHandle;
 
 /* The CUresult codes (plain ints: they convert to cuda.h's enums without a warning). */
 #define SUCCESS 0
@@ -96,6 +111,7 @@ typedef void (*CUhostFn)(void *);
 #define INVALID_CONTEXT 201
 #define INVALID_HANDLE 400
 #define ILLEGAL_STATE 401
+#define MAP_FAILED_CODE 205
 #define NOT_FOUND 500
 #define NOT_READY 600
 #define ILLEGAL_ADDRESS 700
@@ -146,6 +162,8 @@ SAME_AS_CUDA_H(INVALID_CONTEXT, CUDA_ERROR_INVALID_CONTEXT)
 SAME_AS_CUDA_H(INVALID_HANDLE, CUDA_ERROR_INVALID_HANDLE)
 SAME_AS_CUDA_H(ILLEGAL_STATE, CUDA_ERROR_ILLEGAL_STATE)
 SAME_AS_CUDA_H(NOT_FOUND, CUDA_ERROR_NOT_FOUND)
+SAME_AS_CUDA_H(MAP_FAILED_CODE, CUDA_ERROR_MAP_FAILED)
+SAME_AS_CUDA_H(IPC_HANDLE_SIZE, CU_IPC_HANDLE_SIZE)
 SAME_AS_CUDA_H(NOT_READY, CUDA_ERROR_NOT_READY)
 SAME_AS_CUDA_H(ILLEGAL_ADDRESS, CUDA_ERROR_ILLEGAL_ADDRESS)
 SAME_AS_CUDA_H(LAUNCH_FAILED, CUDA_ERROR_LAUNCH_FAILED)
@@ -209,7 +227,20 @@ typedef struct CUevent_st {
     uint64_t capture_id;      /* the capture it was recorded in */
     stream_t *capture_stream; /* compared, never dereferenced once the capture ended */
     uint64_t capture_ops;     /* that stream's captured-operation count at the record */
+    /* Interprocess: the counts live in shared memory (see ipc_counts_t). */
+    struct ipc_counts *shared;
+    int shared_fd; /* the exporter's memfd; -1 in an importer and for local events */
+    int opened;    /* opened from another process's handle (cuIpcOpenEventHandle) */
 } event_t;
+/* An interprocess event's counts, shared by the exporting and importing processes. */
+typedef struct ipc_counts {
+    char magic[8];   /* IPC_MAGIC: what cuIpcOpenEventHandle checks it mapped */
+    uint64_t target; /* generation of the latest record (in the exporter) */
+    uint64_t done;   /* highest generation the exporter's stream has passed */
+} ipc_counts_t;
+/* What an emulated CUipcEventHandle holds. */
+typedef struct { char magic[8]; int32_t pid; int32_t fd; } ipc_handle_t;
+static const char IPC_MAGIC[8] = {'a', 'f', 'e', 'm', 'u', 'i', 'p', 'c'};
 
 typedef struct gate { int open; int refs; } gate_t;
 
@@ -410,8 +441,20 @@ static op_t *new_op(enum op_kind kind) {
 }
 
 static void event_unref_locked(event_t *e) {
-    if (--e->refs == 0) free(e);
+    if (--e->refs) return;
+    if (e->shared) munmap(e->shared, sizeof *e->shared);
+    if (e->shared_fd >= 0) close(e->shared_fd);
+    free(e);
 }
+
+/* An event's record and completion counts: its own, or the shared ones. */
+static uint64_t event_target(event_t *e) {
+    return e->shared ? __atomic_load_n(&e->shared->target, __ATOMIC_ACQUIRE) : e->target;
+}
+static uint64_t event_done(event_t *e) {
+    return e->shared ? __atomic_load_n(&e->shared->done, __ATOMIC_ACQUIRE) : e->done;
+}
+static int event_complete(event_t *e) { return event_done(e) >= event_target(e); }
 
 static void gate_unref_locked(gate_t *g) {
     if (--g->refs == 0) free(g);
@@ -623,16 +666,29 @@ static void *stream_worker(void *arg) {
         int faulted = s->ctx->sticky != 0;
         switch (op->kind) {
         case OP_RECORD:
-            if (!faulted && op->event->done < op->generation) {
+            if (!faulted && event_done(op->event) < op->generation) {
                 struct timespec now;
                 clock_gettime(CLOCK_MONOTONIC, &now);
                 op->event->stamp_ns = (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec;
                 op->event->done = op->generation;
+                if (op->event->shared)
+                    __atomic_store_n(&op->event->shared->done, op->generation, __ATOMIC_RELEASE);
             }
             event_unref_locked(op->event);
             break;
         case OP_WAIT_EVENT:
-            while (op->event->done < op->generation && !s->ctx->sticky && !op->event->ctx->sticky)
+            if (op->event->opened) {
+                /* Another process's stream completes it: nothing here signals. */
+                long backoff = 1000;
+                while (event_done(op->event) < op->generation && !s->ctx->sticky) {
+                    pthread_mutex_unlock(&mu);
+                    sleep_ns(backoff);
+                    if (backoff < 200000) backoff *= 2;
+                    pthread_mutex_lock(&mu);
+                }
+            }
+            while (op->event->done < op->generation && !op->event->opened && !s->ctx->sticky &&
+                   !op->event->ctx->sticky)
                 pthread_cond_wait(&progress, &mu);
             event_unref_locked(op->event);
             break;
@@ -1012,12 +1068,29 @@ static CUresult queuing_context(void) { return current_ctx() ? SUCCESS : INVALID
 CUresult cuEventCreate(CUevent *phandle, unsigned int flags) {
     if (!initialized) return NOT_INITIALIZED;
     if (!phandle || (flags & ~(unsigned)EVENT_FLAGS)) return INVALID_VALUE;
+    /* As the driver: an interprocess event keeps no timing. */
+    if ((flags & EVENT_INTERPROCESS) && !(flags & EVENT_DISABLE_TIMING)) return INVALID_VALUE;
     context_t *ctx = current_ctx();
     if (!ctx) return INVALID_CONTEXT;
     event_t *e = calloc(1, sizeof *e);
     e->ctx = ctx;
     e->flags = flags;
     e->refs = 1;
+    e->shared_fd = -1;
+    if (flags & EVENT_INTERPROCESS) {
+        int fd = memfd_create("asyncfence-emulated-ipc-event", MFD_CLOEXEC);
+        void *map = MAP_FAILED;
+        if (fd >= 0 && ftruncate(fd, sizeof(ipc_counts_t)) == 0)
+            map = mmap(NULL, sizeof(ipc_counts_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (map == MAP_FAILED) {
+            if (fd >= 0) close(fd);
+            free(e);
+            return OUT_OF_MEMORY;
+        }
+        memcpy(((ipc_counts_t *)map)->magic, IPC_MAGIC, sizeof IPC_MAGIC);
+        e->shared = map;
+        e->shared_fd = fd;
+    }
     pthread_mutex_lock(&mu);
     ptrset_add(&live_event_set, e);
     live_events++;
@@ -1049,6 +1122,8 @@ CUresult cuEventRecord(CUevent event_handle, CUstream stream_handle) {
     CUresult r = resolve_event(event_handle, &e);
     if (!r) r = usable_stream_locked(stream_handle, &s);
     if (!r && e->ctx != s->ctx) r = INVALID_HANDLE;
+    /* The emulator records an interprocess event in its exporter only. */
+    if (!r && e->opened) r = NOT_SUPPORTED;
     if (!r && s->capture) {
         /* Captured: a fork/join marker of the capture, never a completion. */
         if (s->capture->invalidated) {
@@ -1067,6 +1142,7 @@ CUresult cuEventRecord(CUevent event_handle, CUstream stream_handle) {
         op_t *op = new_op(OP_RECORD);
         op->event = e;
         op->generation = ++e->target;
+        if (e->shared) __atomic_store_n(&e->shared->target, e->target, __ATOMIC_RELEASE);
         e->refs++;
         e->captured = 0;
         enqueue_locked(s, op);
@@ -1081,7 +1157,7 @@ CUresult cuEventQuery(CUevent handle) {
     CUresult r = resolve_event(handle, &e);
     if (!r) r = unsafe_call_locked();
     if (!r && e->captured) r = CAPTURED_EVENT;
-    if (!r) r = e->ctx->sticky ? e->ctx->sticky : e->done >= e->target ? SUCCESS : NOT_READY;
+    if (!r) r = e->ctx->sticky ? e->ctx->sticky : event_complete(e) ? SUCCESS : NOT_READY;
     pthread_mutex_unlock(&mu);
     return r;
 }
@@ -1094,7 +1170,15 @@ CUresult cuEventSynchronize(CUevent handle) {
     if (!r && e->captured) r = CAPTURED_EVENT;
     if (!r) {
         e->refs++;
-        while (!e->ctx->sticky && e->done < e->target) pthread_cond_wait(&progress, &mu);
+        while (!e->ctx->sticky && !event_complete(e)) {
+            if (e->opened) { /* completed by another process: poll */
+                pthread_mutex_unlock(&mu);
+                sleep_ns(100000);
+                pthread_mutex_lock(&mu);
+            } else {
+                pthread_cond_wait(&progress, &mu);
+            }
+        }
         r = e->ctx->sticky;
         event_unref_locked(e);
     }
@@ -1154,13 +1238,84 @@ CUresult cuStreamWaitEvent(CUstream stream_handle, CUevent event_handle, unsigne
     } else if (!r) { /* any context: the wait happens on the device */
         op_t *op = new_op(OP_WAIT_EVENT);
         op->event = e;
-        op->generation = e->target;
+        op->generation = event_target(e);
         e->refs++;
         enqueue_locked(s, op);
     }
     pthread_mutex_unlock(&mu);
     return r;
 }
+
+/* ---- interprocess events ------------------------------------------------------ */
+
+CUresult cuIpcGetEventHandle(CUipcEventHandle *phandle, CUevent event_handle) {
+    if (!phandle) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    event_t *e = NULL;
+    CUresult r = resolve_event(event_handle, &e);
+    if (!r && (!(e->flags & EVENT_INTERPROCESS) || e->opened)) r = INVALID_VALUE;
+    if (!r) {
+        ipc_handle_t handle = { .pid = (int32_t)getpid(), .fd = e->shared_fd };
+        memcpy(handle.magic, IPC_MAGIC, sizeof handle.magic);
+        memset(phandle, 0, sizeof *phandle);
+        memcpy(phandle->reserved, &handle, sizeof handle);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+CUresult cuIpcOpenEventHandle(CUevent *phandle, CUipcEventHandle opaque) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!phandle) return INVALID_VALUE;
+    context_t *ctx = current_ctx();
+    if (!ctx) return INVALID_CONTEXT;
+    ipc_handle_t handle;
+    memcpy(&handle, opaque.reserved, sizeof handle);
+    if (memcmp(handle.magic, IPC_MAGIC, sizeof handle.magic) != 0) return INVALID_VALUE;
+    /* Only from another process, as the driver's IPC. */
+    if (handle.pid == (int32_t)getpid()) return INVALID_CONTEXT;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)handle.pid, (int)handle.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return MAP_FAILED_CODE; /* the exporter exited, or is another user's */
+    struct stat st;
+    void *map = MAP_FAILED;
+    /* The descriptor may since name another file: the event was destroyed. */
+    if (fstat(fd, &st) == 0 && st.st_size == (off_t)sizeof(ipc_counts_t))
+        map = mmap(NULL, sizeof(ipc_counts_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED) return MAP_FAILED_CODE;
+    if (memcmp(((ipc_counts_t *)map)->magic, IPC_MAGIC, sizeof IPC_MAGIC) != 0) {
+        munmap(map, sizeof(ipc_counts_t));
+        return MAP_FAILED_CODE;
+    }
+    event_t *e = calloc(1, sizeof *e);
+    e->ctx = ctx;
+    e->flags = EVENT_INTERPROCESS | EVENT_DISABLE_TIMING;
+    e->refs = 1;
+    e->shared = map;
+    e->shared_fd = -1;
+    e->opened = 1;
+    pthread_mutex_lock(&mu);
+    ptrset_add(&live_event_set, e);
+    live_events++;
+    pthread_mutex_unlock(&mu);
+    *phandle = e;
+    return SUCCESS;
+}
+
+/* Each device's UUID: the same in every process, as a real device's. */
+CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice device) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (device < 0 || device >= device_count) return INVALID_DEVICE;
+    if (!uuid) return INVALID_VALUE;
+    memset(uuid, 0, sizeof *uuid);
+    memcpy(uuid, "afemu-device-", 13);
+    ((unsigned char *)uuid)[13] = (unsigned char)device; /* device < MAX_DEVICES */
+    return SUCCESS;
+}
+
+CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice device) { return cuDeviceGetUuid(uuid, device); }
 
 /* ---- host functions ----------------------------------------------------------- */
 
@@ -1587,6 +1742,8 @@ static CUresult cuGetProcAddress_v1(const char *symbol, void **pfn, int cuda_ver
     X(cuDeviceGetCount, 2000, cuDeviceGetCount) \
     X(cuDeviceGetName, 2000, cuDeviceGetName) \
     X(cuDeviceGetAttribute, 2000, cuDeviceGetAttribute) \
+    X(cuDeviceGetUuid, 9020, cuDeviceGetUuid) \
+    X(cuDeviceGetUuid, 11040, cuDeviceGetUuid_v2) \
     X(cuDevicePrimaryCtxRetain, 7000, cuDevicePrimaryCtxRetain) \
     X(cuDevicePrimaryCtxRelease, 11000, cuDevicePrimaryCtxRelease) \
     X(cuDevicePrimaryCtxReset, 11000, cuDevicePrimaryCtxReset_v2) \
@@ -1623,6 +1780,8 @@ static CUresult cuGetProcAddress_v1(const char *symbol, void **pfn, int cuda_ver
     X(cuEventQuery, 2000, cuEventQuery) \
     X(cuEventSynchronize, 2000, cuEventSynchronize) \
     X(cuEventElapsedTime, 2000, cuEventElapsedTime) \
+    X(cuIpcGetEventHandle, 4010, cuIpcGetEventHandle) \
+    X(cuIpcOpenEventHandle, 4010, cuIpcOpenEventHandle) \
     X(cuEventElapsedTime, 12080, cuEventElapsedTime) /* _v2: the same signature */ \
     X(cuLaunchHostFunc, 10000, cuLaunchHostFunc) \
     X(cuLaunchHostFunc, 13020, cuLaunchHostFunc_v2) \

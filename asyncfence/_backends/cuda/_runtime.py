@@ -12,6 +12,7 @@ user's stream is never held by a signal.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import sys
 import threading
@@ -98,6 +99,13 @@ def _queue_key(context: int, handle: int) -> tuple[int, ...]:
     if handle == PER_THREAD_DEFAULT_STREAM:
         return (context, handle, _thread_number())
     return (context, handle)
+
+
+# An imported marker's pool: its event is destroyed, never pooled.
+_NOT_POOLED: deque[Any] = deque(maxlen=0)
+# A device's UUID (CUuuid), then its CUipcEventHandle, in an exported handle.
+_UUID_BYTES = 16
+_IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
 
 
 class _CudaMarker:
@@ -464,6 +472,95 @@ class CudaBackend(Backend[_CudaMarker]):
             raise device_error(drv, err, f"cuLaunchHostFunc ({launcher.path}) failed")
         return True
 
+    # -- across processes ------------------------------------------------------
+
+    def export_marker(self, marker: _CudaMarker, queue: QueueInfo) -> tuple[bytes, object]:
+        """An interprocess event that completes with ``marker``: its device's UUID and handle.
+
+        The event is recorded on one of the stream's side streams after a wait
+        for the fence's event, so it completes when the fence does, never
+        before (later only if every side stream already waits for a newer
+        fence). It never goes back to the pool: an importer may wait on it
+        until :meth:`release_export` destroys it.
+        """
+        drv = driver()
+        flags = drv.CUevent_flags.CU_EVENT_INTERPROCESS | drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        with self._side_lock:
+            pushed = push_context(drv, marker.context, "the fence's")
+            try:
+                event = check(drv.cuEventCreate(flags), "cuEventCreate (interprocess)")
+                try:
+                    lane = self._lane(drv, queue.key, marker.context, marker.order)
+                    if lane is None:  # each waits for a newer fence: later, never sooner
+                        lane = max(self._side_streams[queue.key], key=lambda one: one.last_order)
+                    else:
+                        lane.last_order = marker.order
+                    check(drv.cuStreamWaitEvent(lane.stream, marker.event, 0), "cuStreamWaitEvent")
+                    check(drv.cuEventRecord(event, lane.stream), "cuEventRecord (interprocess)")
+                    handle = check(drv.cuIpcGetEventHandle(event), "cuIpcGetEventHandle")
+                    device = check(drv.cuCtxGetDevice(), "cuCtxGetDevice")
+                    uuid = check(drv.cuDeviceGetUuid(device), "cuDeviceGetUuid")
+                except BaseException:
+                    drv.cuEventDestroy(event)
+                    raise
+            finally:
+                if pushed:
+                    pop_context(drv)
+        # The handle's 64 bytes, through its address: cuda.bindings releases
+        # name its field differently, or not at all.
+        return bytes(uuid.bytes) + ctypes.string_at(handle.getPtr(), _IPC_HANDLE_BYTES), event
+
+    def import_marker(self, handle: bytes) -> tuple[_CudaMarker, QueueInfo]:
+        """Open another process's interprocess event in its device's primary context here.
+
+        Raises:
+            FenceError: The driver is not loaded in this process yet (loading
+                it would block the loop: :func:`asyncfence.warm_up` first), or
+                the exporter's device is not visible here.
+        """
+        drv = _driver.loaded_driver()
+        if drv is None:
+            raise FenceError(
+                "the CUDA driver is not loaded in this process yet: loading it blocks, so "
+                "call asyncfence.warm_up(stream) off the loop first"
+            )
+        uuid, reserved = handle[:_UUID_BYTES], handle[_UUID_BYTES:]
+        ordinal = self._device_with_uuid(drv, uuid)
+        context = self._primary_context(drv, ordinal)
+        pushed = push_context(drv, context, f"device {ordinal}'s primary")
+        try:
+            if len(reserved) != _IPC_HANDLE_BYTES:
+                raise FenceError("not a CUDA interprocess event handle")
+            opaque = drv.CUipcEventHandle()
+            ctypes.memmove(opaque.getPtr(), reserved, _IPC_HANDLE_BYTES)
+            event = check(drv.cuIpcOpenEventHandle(opaque), "cuIpcOpenEventHandle")
+            identity = self._context_id(drv, context)
+        finally:
+            if pushed:
+                pop_context(drv)
+        order = next(self._orders)
+        # Not pooled (release destroys it), and a stream of its own: no
+        # other fence is ordered with it.
+        marker = _CudaMarker(event, context, _NOT_POOLED, order)
+        return marker, QueueInfo(("imported", identity, order))
+
+    def _device_with_uuid(self, drv: ModuleType, uuid: bytes) -> int:
+        count = check(drv.cuDeviceGetCount(), "cuDeviceGetCount")
+        for ordinal in range(count):
+            device = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+            if bytes(check(drv.cuDeviceGetUuid(device), "cuDeviceGetUuid").bytes) == uuid:
+                return ordinal
+        raise FenceError(
+            "the exporting process's CUDA device is not visible in this process "
+            "(CUDA_VISIBLE_DEVICES?): an interprocess event works only between "
+            "processes that share its device"
+        )
+
+    def release_export(self, kept: object) -> None:
+        loaded = _driver.loaded_driver()
+        if loaded is not None and not sys.is_finalizing():
+            loaded.cuEventDestroy(kept)
+
     def warm_up(self, stream: object) -> None:
         """The driver, the host-function entry point, an event pooled in its context."""
         drv, cu_stream, handle = self._cu_stream(stream)
@@ -492,7 +589,10 @@ class CudaBackend(Backend[_CudaMarker]):
     def release(self, marker: _CudaMarker) -> None:
         # deque.append is atomic, and this may run in a finalizer. A pending
         # event is fine to re-record: later records overwrite its state.
-        if len(marker.pool) < _POOL_LIMIT:
+        if marker.pool is _NOT_POOLED:  # an opened interprocess event
+            if (loaded := _driver.loaded_driver()) is not None and not sys.is_finalizing():
+                loaded.cuEventDestroy(marker.event)
+        elif len(marker.pool) < _POOL_LIMIT:
             marker.pool.append(marker.event)
         elif (loaded := _driver.loaded_driver()) is not None and not sys.is_finalizing():
             loaded.cuEventDestroy(marker.event)
