@@ -163,6 +163,7 @@ class CudaBackend(Backend[_CudaMarker]):
         self._orders = itertools.count()
         self._side_lock = threading.Lock()
         self._launcher: HostFunctionLauncher | None = None
+        self._ordinals_by_uuid: dict[bytes, int] = {}
         _fork.renew_after_fork(self, "_pools_lock", "_primary_lock", "_side_lock")
 
     def claims(self, stream: object) -> bool:
@@ -545,10 +546,14 @@ class CudaBackend(Backend[_CudaMarker]):
         return marker, QueueInfo(("imported", identity, order))
 
     def _device_with_uuid(self, drv: ModuleType, uuid: bytes) -> int:
+        ordinal = self._ordinals_by_uuid.get(uuid)
+        if ordinal is not None:
+            return ordinal
         count = check(drv.cuDeviceGetCount(), "cuDeviceGetCount")
         for ordinal in range(count):
             device = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
             if bytes(check(drv.cuDeviceGetUuid(device), "cuDeviceGetUuid").bytes) == uuid:
+                self._ordinals_by_uuid[uuid] = ordinal  # a process's devices never change
                 return ordinal
         raise FenceError(
             "the exporting process's CUDA device is not visible in this process "
