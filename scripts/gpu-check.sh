@@ -217,7 +217,8 @@ step probe 40 "$out/steps.log" "${with_driver[@]}" "$python" "$report" probe "$w
 
 # -- the tests -------------------------------------------------------------------------------
 cd "$root"
-test_files=(tests/test_cuda.py tests/test_interop.py tests/test_torch_cpu.py tests/test_torch_server.py)
+test_files=(tests/test_cuda.py tests/test_interop.py tests/test_torch_cpu.py tests/test_torch_server.py
+    tests/test_relay.py)
 pytest_args=(
     -p no:cacheprovider -o addopts= --strict-markers -rA --durations=20
     -o timeout_method=signal --timeout "$test_timeout"
