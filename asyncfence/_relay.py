@@ -421,6 +421,7 @@ class ImportedFence:
         "_accepted",
         "_answer",
         "_failure",
+        "_held_fd",
         "_local",
         "_reader",
         "_settled",
@@ -430,6 +431,10 @@ class ImportedFence:
     )
 
     _socket: socket.socket
+    # The connection's descriptor once answered, while the opened event may be
+    # in use: a plain fd, which no finalizer of a socket object closes first
+    # (with a cycle, the garbage collector finalizes in no set order).
+    _held_fd: int
     _token: FenceToken
     _answer: bytearray
     _accepted: bool  # the exporter took the token (sent before its answer)
@@ -450,6 +455,7 @@ class ImportedFence:
         fence._local = local
         fence._accepted = False
         fence._socket = connection
+        fence._held_fd = -1
         fence._token = token
         fence._answer = bytearray()
         fence._settled = False
@@ -465,6 +471,9 @@ class ImportedFence:
         connection = getattr(self, "_socket", None)
         if connection is not None:
             connection.close()
+        held = getattr(self, "_held_fd", -1)
+        if held >= 0:
+            os.close(held)
 
     def __reduce__(self) -> Any:
         raise TypeError(
@@ -601,8 +610,6 @@ class ImportedFence:
         finally:
             self._reader = None
             if self._settled:
-                if self._local is None:  # else closed after the opened event is freed
-                    self._socket.close()
                 self._wake_all()
 
     def _wake_all(self) -> None:
@@ -647,6 +654,12 @@ class ImportedFence:
         self._failure = failure
         self._settled = True
         self._answer = bytearray()
+        # Nothing more to read. With an opened event, the exporter's must
+        # outlive it: the connection is closed only after it (``__del__``).
+        if self._local is None:
+            self._socket.close()
+        else:
+            self._held_fd = self._socket.detach()
 
     def _parse(self, answer: bytes) -> FenceError | None:
         kind, details = answer[:1], answer[1:]

@@ -1,12 +1,14 @@
 """A producing process for the cross-process tests: exports a fence held by a gate.
 
-Run as ``python -m tests.relay_producer LOOP BACKEND``. It prints one line, the hex
-of the pickled :class:`~asyncfence.FenceToken`, then obeys one command a line
-on stdin, read by its event loop (no thread): ``release`` or ``fail`` the
-gate, ``release-and-block`` (release it, then block the loop until the next
-line: no relay answers meanwhile), ``export`` another token of the same fence (printed likewise),
-``threads`` (the names of its Python threads, printed likewise), ``die``
-(``os._exit`` at once, as a crash would), or ``quit`` (end the loop).
+Run as ``python -m tests.relay_producer LOOP BACKEND``. It prints one line, the
+hex of the pickled :class:`~asyncfence.FenceToken`, then obeys one command a
+line on stdin, read by its event loop (no thread): ``release`` or ``fail`` the
+gate; ``fault`` (a sticky fault, on the emulated CUDA driver);
+``release-and-block`` (release it, then block the loop until the next line:
+no relay answers meanwhile); ``export`` another token of the same fence
+(printed likewise); ``threads`` (the names of its Python threads, printed
+likewise); ``die`` (``os._exit`` at once, as a crash would); or ``quit`` (end
+the loop).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import pickle
 import sys
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -46,6 +49,8 @@ async def _produce(backend: str) -> None:
             os.read(sys.stdin.fileno(), 4096)
         elif command == "fail":
             gate.fail()
+        elif command == "fault":
+            _fault_emulated_cuda(queue)
         elif command == "export":
             say(fence.export())
         elif command == "threads":
@@ -55,6 +60,17 @@ async def _produce(backend: str) -> None:
         elif command == "quit":
             break
     gate.release()
+
+
+def _fault_emulated_cuda(stream: Any) -> None:
+    """Turn the stream's context sticky with an illegal address, as a crashed kernel would."""
+    from cuda.bindings import driver as drv
+
+    from tests.cuda_emulator import Emulator
+
+    library = Path(os.environ["LD_LIBRARY_PATH"].split(os.pathsep)[0]) / "libcuda.so.1"
+    _, context = drv.cuStreamGetCtx(stream)
+    Emulator(library).inject_fault(int(context), 700)  # CUDA_ERROR_ILLEGAL_ADDRESS
 
 
 async def _commands() -> AsyncIterator[str]:

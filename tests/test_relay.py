@@ -380,6 +380,17 @@ async def test_the_importers_device_ends_the_wait_with_the_exporters_loop_blocke
     cuda_producer.send("unblock")
 
 
+async def test_a_fault_in_the_exporters_context_raises_device_error(
+    cuda_producer: Producer, emulator: Any
+) -> None:
+    imported = asyncfence.import_fence(cuda_producer.token)
+    cuda_producer.send("fault")  # the opened event never completes now
+    with anyio.fail_after(_GUARD_S), pytest.raises(DeviceError) as raised:
+        await imported
+    assert raised.value.backend == "cuda"
+    assert raised.value.name == "CUDA_ERROR_ILLEGAL_ADDRESS"
+
+
 async def test_a_stream_of_the_importer_waits_for_the_exporters_work(
     cuda_producer: Producer,
 ) -> None:
