@@ -492,17 +492,19 @@ class ImportedFence:
         return self._token
 
     def done(self) -> bool:
-        """Whether the exporting process has seen the fence complete. Never blocks.
+        """Whether the work before the fence is done (as the exporter or this device saw).
+
+        Never blocks.
 
         Raises:
             DeviceError: The work before the fence failed.
             FenceLostError: The exporting process went away first.
             TokenRefusedError: The exporting process refused the token.
         """
-        if self._local_done():
-            return True
         if not self._settled and self._reader is None:
             self._receive()
+        if self._local_done():
+            return True
         if self._failure is not None:
             raise self._fresh_failure()
         return self._settled
