@@ -563,6 +563,34 @@ class ImportedFence:
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
 
+    def wait_sync(self, timeout: float | None = None) -> None:
+        """Block the calling thread until the work before the fence is done.
+
+        For synchronous code and worker threads, never a loop's own thread:
+        it sleeps between looks at the connection (and, on CUDA, queries of
+        the opened event), doubling from 20 µs up to a millisecond, so that
+        Ctrl-C gets through.
+
+        Args:
+            timeout: Seconds to wait at most; ``None`` waits without limit.
+
+        Raises:
+            TimeoutError: The timeout expired first; the fence stays valid.
+            DeviceError: The work before the fence failed.
+            FenceLostError: The exporting process went away first.
+            TokenRefusedError: The exporting process refused the token.
+
+        Thread-safety: any one thread, while no loop awaits the fence.
+        """
+        deadline = time.monotonic() + check_timeout(timeout)
+        sleep = 20e-6
+        while not self.done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self!r} did not complete within {timeout} s")
+            time.sleep(min(sleep, remaining))
+            sleep = min(sleep * 2, 1e-3)
+
     def enqueue_wait(self, stream: object) -> None:
         """Make ``stream``, of this process, wait on the device for the exporter's work.
 

@@ -203,6 +203,23 @@ async def test_a_forged_token_is_refused(producer: Producer) -> None:
         await asyncfence.import_fence(producer.token)
 
 
+def test_a_synchronous_wait_blocks_its_thread_until_the_work_is_done(producer: Producer) -> None:
+    imported = asyncfence.import_fence(producer.token)
+    with pytest.raises(TimeoutError):
+        imported.wait_sync(timeout=0.01)
+    producer.send("release")
+    imported.wait_sync(timeout=_GUARD_S)
+    assert imported.done()
+
+
+@pytest.mark.fails_a_gate
+def test_a_synchronous_wait_raises_the_producers_failure(producer: Producer) -> None:
+    imported = asyncfence.import_fence(producer.token)
+    producer.send("fail")
+    with pytest.raises(DeviceError):
+        imported.wait_sync(timeout=_GUARD_S)
+
+
 def test_a_token_pickles_and_hides_its_secret(producer: Producer) -> None:
     token = producer.token
     assert pickle.loads(pickle.dumps(token)) == token
