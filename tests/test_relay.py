@@ -82,9 +82,9 @@ class Producer:
                 pipe.close()
 
 
-@pytest.fixture(params=["asyncio", "trio", "asyncio-cuda"])
+@pytest.fixture(params=["asyncio", "uvloop", "trio", "asyncio-cuda"])
 def producer(request: pytest.FixtureRequest) -> Iterator[Producer]:
-    """A producer whose event loop is asyncio or trio, on OpenCL; or asyncio on CUDA.
+    """A producer whose event loop is asyncio, uvloop or trio, on OpenCL; or asyncio on CUDA.
 
     The relay is the same code on every backend; the CUDA producer runs on
     the emulated driver in CI (on the real one where the tests do).
@@ -92,8 +92,8 @@ def producer(request: pytest.FixtureRequest) -> Iterator[Producer]:
     loop, _, backend = request.param.partition("-")
     backend = backend or "opencl"
     env: dict[str, str] = {}
-    if loop == "trio":
-        pytest.importorskip("trio")
+    if loop in ("trio", "uvloop"):
+        pytest.importorskip(loop)
     if backend == "opencl":
         pytest.importorskip("pyopencl")  # the GPU check's machine may lack it
     if backend == "cuda":
