@@ -1552,18 +1552,18 @@ def _handle_hex(driver: Any, event: Any) -> str:
     return ctypes.string_at(handle.getPtr(), 64).hex()
 
 
-def _open_in_another_process(handle_hex: str, emulator: Emulator) -> subprocess.Popen[str]:
+def _open_in_another_process(handle_hex: str, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", _IPC_CHILD, handle_hex],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "LD_LIBRARY_PATH": str(emulator.path.parent)},
+        env=env,
     )
 
 
 def test_an_interprocess_event_completes_in_the_process_that_opened_it(
-    cuda_stream: Any, emulator: Emulator
+    cuda_stream: Any, driver_env: dict[str, str]
 ) -> None:
     from cuda.bindings import driver
 
@@ -1571,7 +1571,7 @@ def test_an_interprocess_event_completes_in_the_process_that_opened_it(
     try:
         with hold(cuda_stream) as gate:
             assert driver.cuEventRecord(event, cuda_stream)[0] == driver.CUresult.CUDA_SUCCESS
-            child = _open_in_another_process(_handle_hex(driver, event), emulator)
+            child = _open_in_another_process(_handle_hex(driver, event), driver_env)
             assert child.stdin is not None
             assert child.stdout is not None
             assert child.stdout.readline() == "0\n"  # opened
@@ -1589,22 +1589,23 @@ def test_an_interprocess_event_completes_in_the_process_that_opened_it(
         driver.cuEventDestroy(event)
 
 
+@pytest.mark.usefixtures("emulated_driver")
 def test_a_destroyed_interprocess_event_cannot_be_opened(
-    cuda_device: CudaDevice, emulator: Emulator
+    cuda_device: CudaDevice, driver_env: dict[str, str]
 ) -> None:
+    # Emulator only: a real driver documents a destroyed event's handle as undefined.
     from cuda.bindings import driver
 
     event = _ipc_event(driver)
     handle_hex = _handle_hex(driver, event)
     driver.cuEventDestroy(event)
-    child = _open_in_another_process(handle_hex, emulator)
+    child = _open_in_another_process(handle_hex, driver_env)
     out, _ = child.communicate(timeout=30)
     assert out == f"{int(driver.CUresult.CUDA_ERROR_MAP_FAILED)}\n"
 
 
-def test_the_emulator_checks_interprocess_events_and_handles(
-    cuda_device: CudaDevice, emulator: Emulator
-) -> None:
+@pytest.mark.usefixtures("emulated_driver")
+def test_the_emulator_checks_interprocess_events_and_handles(cuda_device: CudaDevice) -> None:
     import ctypes
 
     from cuda.bindings import driver

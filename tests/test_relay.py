@@ -97,10 +97,8 @@ def producer(request: pytest.FixtureRequest) -> Iterator[Producer]:
     if backend == "opencl":
         pytest.importorskip("pyopencl")  # the GPU check's machine may lack it
     if backend == "cuda":
-        if request.getfixturevalue("cuda_mode") == "emulated":
-            from .cuda_emulator import build
-
-            env["LD_LIBRARY_PATH"] = str(build().parent)
+        # The driver this run's tests use, emulated or real.
+        env["LD_LIBRARY_PATH"] = request.getfixturevalue("driver_env").get("LD_LIBRARY_PATH", "")
         # This process opens the producer's interprocess events: with the
         # driver loaded, as asyncfence.warm_up() would load it.
         _cuda_devices.setdefault("cuda", open_default_device("cuda"))
@@ -397,8 +395,9 @@ async def test_the_importers_device_ends_the_wait_with_the_exporters_loop_blocke
     cuda_producer.send("unblock")
 
 
+@pytest.mark.usefixtures("emulated_driver")  # its hooks fault the producer's context
 async def test_a_fault_in_the_exporters_context_raises_device_error(
-    cuda_producer: Producer, emulator: Any
+    cuda_producer: Producer,
 ) -> None:
     imported = asyncfence.import_fence(cuda_producer.token)
     cuda_producer.send("fault")  # the opened event never completes now
