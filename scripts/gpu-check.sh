@@ -258,6 +258,10 @@ step tests 130 "$out/pytest.log" env "ASYNCFENCE_GPU_CHECK_LOG=$out/tests.jsonl"
 # Never on the emulated driver: PyTorch would load it and fail beyond what it emulates.
 step example 45 "$work/example.txt" "$python" "$root/examples/torch_pipeline.py" || true
 cat "$work/example.txt" >>"$out/steps.log" 2>/dev/null || true
+# Fences across processes on CUDA: the consumer's device waits on the producer's event.
+step cross_process 45 "$work/cross_process.txt" "${with_driver[@]}" "$python" \
+    "$root/examples/cross_process.py" cuda || true
+cat "$work/cross_process.txt" >>"$out/steps.log" 2>/dev/null || true
 
 # -- the benchmark's CUDA section: the full run, and a quick one only beside it --------------
 # The full run rewrites bench.json after every scenario, so a time-out keeps

@@ -57,6 +57,22 @@ def test_the_cross_process_consumer_reads_each_batch_after_its_fence() -> None:
     assert lines[-1].endswith("producer exit 0")
 
 
+def test_the_cross_process_example_on_cuda(driver_env: dict[str, str]) -> None:
+    """On CUDA the producer's device writes the shared memory; the consumer's waits."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "cross_process.py"), "cuda"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**driver_env, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert sum("read after its fence" in line for line in lines) == 6
+    assert lines[-1].endswith("on cuda, producer exit 0")
+
+
 def test_the_asyncio_example_reports_each_stream_once() -> None:
     result = run_example("asyncio_fences.py")
     lines = result.stdout.splitlines()

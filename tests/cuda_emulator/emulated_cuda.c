@@ -10,7 +10,8 @@
  *     sticky: queries return it, queued work is dropped, host functions never
  *     run again (as the real driver documents for cuLaunchHostFunc);
  *   - cuStreamWaitValue32 / cuStreamWriteValue32 act on host memory;
- *   - "device" memory is host memory, so memsets are real work on the stream;
+ *   - "device" memory is host memory, so memsets are real work on the stream
+ *     (on registered host memory too: cuMemHostRegister checks its arguments);
  *   - handle 0 and 1 are the legacy default stream and 2 the calling thread's
  *     per-thread default stream (0 too, once cuda.bindings resolved its entry
  *     points for per-thread default streams: CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM);
@@ -112,6 +113,7 @@ typedef struct CUipcEventHandle_st CUipcEventHandle;
 #define INVALID_HANDLE 400
 #define ILLEGAL_STATE 401
 #define MAP_FAILED_CODE 205
+#define NOT_REGISTERED 713
 #define NOT_FOUND 500
 #define NOT_READY 600
 #define ILLEGAL_ADDRESS 700
@@ -162,6 +164,7 @@ SAME_AS_CUDA_H(INVALID_CONTEXT, CUDA_ERROR_INVALID_CONTEXT)
 SAME_AS_CUDA_H(INVALID_HANDLE, CUDA_ERROR_INVALID_HANDLE)
 SAME_AS_CUDA_H(ILLEGAL_STATE, CUDA_ERROR_ILLEGAL_STATE)
 SAME_AS_CUDA_H(NOT_FOUND, CUDA_ERROR_NOT_FOUND)
+SAME_AS_CUDA_H(NOT_REGISTERED, CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
 SAME_AS_CUDA_H(MAP_FAILED_CODE, CUDA_ERROR_MAP_FAILED)
 SAME_AS_CUDA_H(IPC_HANDLE_SIZE, CU_IPC_HANDLE_SIZE)
 SAME_AS_CUDA_H(NOT_READY, CUDA_ERROR_NOT_READY)
@@ -299,7 +302,7 @@ static int initialized;
 static int device_count = 2;
 static context_t *primary[MAX_DEVICES];
 static long live_events, live_streams, pending_host_funcs, events_created, live_host_allocs;
-static long host_funcs_v1, host_funcs_v2;
+static long host_funcs_v1, host_funcs_v2, live_host_registrations;
 static unsigned long long next_context_id = 1;
 static void *last_host_fn;
 
@@ -1416,6 +1419,29 @@ CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int 
     return SUCCESS;
 }
 
+/* Host memory the caller allocated (shared memory, say), page-locked for the
+ * device: here it is host memory already, so only the arguments are checked. */
+CUresult cuMemHostRegister(void *p, size_t bytes, unsigned int flags) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!current_ctx()) return INVALID_CONTEXT;
+    if (!p || !bytes || (flags & ~0xfu)) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    live_host_registrations++;
+    pthread_mutex_unlock(&mu);
+    return SUCCESS;
+}
+
+CUresult cuMemHostUnregister(void *p) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!current_ctx()) return INVALID_CONTEXT;
+    if (!p) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = live_host_registrations ? SUCCESS : NOT_REGISTERED;
+    if (!r) live_host_registrations--;
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
 CUresult cuMemAlloc_v2(CUdeviceptr *pdptr, size_t bytes) {
     if (!initialized) return NOT_INITIALIZED;
     if (!current_ctx()) return INVALID_CONTEXT;
@@ -1788,6 +1814,9 @@ static CUresult cuGetProcAddress_v1(const char *symbol, void **pfn, int cuda_ver
     X(cuStreamWaitValue32, 8000, cuStreamWaitValue32) \
     X(cuStreamWriteValue32, 8000, cuStreamWriteValue32) \
     X(cuMemHostAlloc, 2020, cuMemHostAlloc) \
+    X(cuMemHostRegister, 4000, cuMemHostRegister) \
+    X(cuMemHostRegister, 6050, cuMemHostRegister) \
+    X(cuMemHostUnregister, 4000, cuMemHostUnregister) \
     X(cuMemAllocHost, 3020, cuMemAllocHost_v2) \
     X(cuMemFreeHost, 2000, cuMemFreeHost) \
     X(cuMemHostGetDevicePointer, 3020, cuMemHostGetDevicePointer_v2) \
