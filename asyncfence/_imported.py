@@ -117,7 +117,10 @@ def import_fence(token: FenceToken) -> ImportedFence:
         raise
     # Opened only once connected: the exporter keeps the handle valid until
     # this connection ends, and closing it is the last thing this side does.
-    return ImportedFence._of(connection, token, _open_locally(token))
+    local = _open_locally(token)
+    # A plain descriptor from here on: no socket object's finalizer can close
+    # it before the fence's own (a cycle's garbage is finalized in no set order).
+    return ImportedFence._of(connection.detach(), token, local)
 
 
 def _open_locally(token: FenceToken) -> FenceCore | None:
@@ -160,20 +163,17 @@ class ImportedFence:
         "_accepted",
         "_answer",
         "_failure",
-        "_held_fd",
+        "_fd",
         "_local",
         "_reader",
         "_settled",
-        "_socket",
         "_token",
         "_waiters",
     )
 
-    _socket: socket.socket
-    # The connection's descriptor once answered, while the opened event may be
-    # in use: a plain fd, which no finalizer of a socket object closes first
-    # (with a cycle, the garbage collector finalizes in no set order).
-    _held_fd: int
+    # The connection to the exporter (non-blocking); -1 once closed. With an
+    # opened event it stays open while the event may be in use.
+    _fd: int
     _token: FenceToken
     _answer: bytearray
     _accepted: bool  # the exporter took the token (sent before its answer)
@@ -187,14 +187,11 @@ class ImportedFence:
         raise TypeError("imported fences are made by asyncfence.import_fence(token)")
 
     @classmethod
-    def _of(
-        cls, connection: socket.socket, token: FenceToken, local: FenceCore | None
-    ) -> ImportedFence:
+    def _of(cls, fd: int, token: FenceToken, local: FenceCore | None) -> ImportedFence:
         fence = object.__new__(cls)
         fence._local = local
         fence._accepted = False
-        fence._socket = connection
-        fence._held_fd = -1
+        fence._fd = fd
         fence._token = token
         fence._answer = bytearray()
         fence._settled = False
@@ -207,12 +204,7 @@ class ImportedFence:
         # The opened event first (its core's release destroys it), then the
         # connection: the exporter frees its event once this side closes.
         self._local = None
-        connection = getattr(self, "_socket", None)
-        if connection is not None:
-            connection.close()
-        held = getattr(self, "_held_fd", -1)
-        if held >= 0:
-            os.close(held)
+        self._close()
 
     def __reduce__(self) -> Any:
         raise TypeError(
@@ -375,7 +367,7 @@ class ImportedFence:
         assert driver is not None
         try:
             while not self._receive():
-                await driver.wait_readable(self._socket.fileno())
+                await driver.wait_readable(self._fd)
         finally:
             self._reader = None
             if self._settled:
@@ -392,7 +384,7 @@ class ImportedFence:
             return True
         while True:
             try:
-                chunk = self._socket.recv(4096)
+                chunk = os.read(self._fd, 4096)
             except (BlockingIOError, InterruptedError):
                 return False
             except OSError as error:
@@ -426,9 +418,13 @@ class ImportedFence:
         # Nothing more to read. With an opened event, the exporter's must
         # outlive it: the connection is closed only after it (``__del__``).
         if self._local is None:
-            self._socket.close()
-        else:
-            self._held_fd = self._socket.detach()
+            self._close()
+
+    def _close(self) -> None:
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0:
+            self._fd = -1  # first: never close a number the system gave out again
+            os.close(fd)
 
     def _parse(self, answer: bytes) -> FenceError | None:
         kind, details = answer[:1], answer[1:]

@@ -18,15 +18,12 @@ import pickle
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 import asyncfence
 from asyncfence.testing import StreamGate, open_default_device
-
-if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
 
 
 async def _produce(backend: str) -> None:
@@ -40,13 +37,13 @@ async def _produce(backend: str) -> None:
         sys.stdout.flush()
 
     say(fence.export())
-    async for command in _commands():
+    commands = _Commands()
+    while (command := await commands.next()) != "quit":
         if command == "release":
             gate.release()
         elif command == "release-and-block":
             gate.release()
-            # The loop stops here, answering nothing, until the next line.
-            os.read(sys.stdin.fileno(), 4096)
+            commands.next_blocking()  # the loop stops here, answering nothing
         elif command == "fail":
             gate.fail()
         elif command == "fault":
@@ -57,8 +54,6 @@ async def _produce(backend: str) -> None:
             say(sorted(thread.name for thread in threading.enumerate()))
         elif command == "die":
             os._exit(3)
-        elif command == "quit":
-            break
     gate.release()
 
 
@@ -73,18 +68,36 @@ def _fault_emulated_cuda(stream: Any) -> None:
     Emulator(library).inject_fault(int(context), 700)  # CUDA_ERROR_ILLEGAL_ADDRESS
 
 
-async def _commands() -> AsyncIterator[str]:
-    """Lines from stdin, read on the loop; ends at ``quit`` or the end of stdin."""
-    pending = b""
-    while True:
-        await anyio.wait_readable(sys.stdin.fileno())
-        chunk = os.read(sys.stdin.fileno(), 4096)
-        if not chunk:
-            return
-        # One read may hold several commands, or part of one.
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            yield line.decode().strip()
+class _Commands:
+    """Lines from stdin: read on the loop, or (to block it, on purpose) not."""
+
+    def __init__(self) -> None:
+        self._fd = sys.stdin.fileno()
+        self._pending = b""  # one read may hold several commands, or part of one
+
+    async def next(self) -> str:
+        """The next line; ``quit`` at the end of stdin."""
+        while b"\n" not in self._pending:
+            await anyio.wait_readable(self._fd)
+            if not self._read():
+                return "quit"
+        return self._line()
+
+    def next_blocking(self) -> str:
+        """The next line, read without giving the loop back."""
+        while b"\n" not in self._pending:
+            if not self._read():
+                return "quit"
+        return self._line()
+
+    def _read(self) -> bool:
+        chunk = os.read(self._fd, 4096)
+        self._pending += chunk
+        return bool(chunk)
+
+    def _line(self) -> str:
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode().strip()
 
 
 def main() -> None:

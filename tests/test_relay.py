@@ -73,13 +73,18 @@ class Producer:
         self.process.stdin.flush()
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(BrokenPipeError):  # exiting already
-                self.send("quit")
-        self.process.wait(_GUARD_S)
-        for pipe in (self.process.stdin, self.process.stdout):
-            if pipe is not None:
-                pipe.close()
+        try:
+            if self.process.poll() is None:
+                with contextlib.suppress(BrokenPipeError):  # exiting already
+                    self.send("quit")
+            self.process.wait(_GUARD_S)
+        finally:
+            if self.process.poll() is None:  # it did not quit: the test fails, nothing leaks
+                self.process.kill()
+                self.process.wait()
+            for pipe in (self.process.stdin, self.process.stdout):
+                if pipe is not None:
+                    pipe.close()
 
 
 @pytest.fixture(params=["asyncio", "uvloop", "trio", "asyncio-cuda"])
