@@ -37,7 +37,7 @@ so that :func:`backend_for` can remember the answer per type.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol, TypeVar
 
 from . import _fork
 from ._exceptions import FenceError
@@ -59,6 +59,7 @@ __all__ = [
     "backend_named",
     "backend_names",
     "backend_statistics",
+    "cached_backend",
     "register_backend",
     "unregister_backend",
 ]
@@ -276,6 +277,14 @@ class Backend(Protocol[MarkerT]):
         """
         ...
 
+    def release_done(self, marker: MarkerT) -> None:
+        """Give back ``marker``, which a query found the device had passed.
+
+        The same as :meth:`release` unless the backend has a cheaper way for
+        a marker known to have completed; as safe to call from a finalizer.
+        """
+        self.release(marker)
+
     def lab(self) -> Lab:
         """Its devices and test gates."""
         ...
@@ -332,6 +341,9 @@ class Backend(Protocol[MarkerT]):
 
 _backends: list[Backend[Any]] = []
 _by_type: dict[type, Backend[Any]] = {}
+#: The backend that claimed a stream of this type before, or ``None``: the
+#: record path's lookup, a call less than :func:`backend_for`.
+cached_backend: Final = _by_type.get
 # The names of the backends registered with devices=False.
 _deviceless: set[str] = set()
 

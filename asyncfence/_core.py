@@ -15,7 +15,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, final
 
 from . import _fork
-from ._backend import backend_for
+from ._backend import backend_for, cached_backend
 from ._exceptions import DeviceError, FenceError
 from ._validation import type_name
 
@@ -85,7 +85,7 @@ class FenceCore:
         self._marker: Any = marker
         self._pins = 0
         self._failure: DeviceError | None = None
-        self._generation = _fork.generation()
+        self._generation = _fork.fork_count
 
     def __repr__(self) -> str:
         state = ("pending", "done", "failed")[self.state]
@@ -99,7 +99,7 @@ class FenceCore:
     def __del__(self) -> None:
         marker = self._marker
         # In a forked child the parent's runtime may hold locks: leave it be.
-        if marker is not None and self._generation == _fork.generation():
+        if marker is not None and self._generation == _fork.fork_count:
             self.backend.release(marker)
 
     @property
@@ -120,7 +120,7 @@ class FenceCore:
         """
         if self.state != PENDING:
             return self.state
-        if self._generation != _fork.generation():
+        if self._generation != _fork.fork_count:
             raise FenceError(f"{self!r} was recorded before fork(): {_fork.ADVICE}")
         marker = self._marker
         if marker is None:  # settled by another thread since the check above
@@ -147,13 +147,22 @@ class FenceCore:
             if self._pins or keep_marker:
                 return  # a driver call still uses the marker, or it is released later
             marker, self._marker = self._marker, None
-        self.backend.release(marker)
+        if state == DONE:
+            self.backend.release_done(marker)
+        else:
+            self.backend.release(marker)
 
     def release_marker(self) -> None:
         """Release the marker of a settled fence, unless a driver call still uses it."""
         with _settle_lock:
-            marker = self._take_unused_marker()
-        if marker is not None:
+            if self._pins or self.state == PENDING:
+                return
+            marker, self._marker = self._marker, None
+        if marker is None:
+            return
+        if self.state == DONE:
+            self.backend.release_done(marker)
+        else:
             self.backend.release(marker)
 
     def _take_unused_marker(self) -> Any:
@@ -203,13 +212,23 @@ class FenceCore:
         Raises:
             DeviceError: The runtime refused (a faulted CUDA context, say).
         """
-        marker = self._pin()
-        if marker is None:
-            return "settled"
+        # _pin() and _unpin(), written out: this runs on every park.
+        with _settle_lock:
+            marker = self._marker
+            if marker is None or self.state != PENDING:
+                return "settled"
+            self._pins += 1
         try:
             armed = self.backend.arm(marker, self.queue, signal)
         finally:
-            self._unpin()
+            with _settle_lock:
+                self._pins -= 1
+                # Settled meanwhile, by another thread: the release left it to us.
+                settled_meanwhile = not self._pins and self.state != PENDING
+                if settled_meanwhile:
+                    marker, self._marker = self._marker, None
+            if settled_meanwhile and marker is not None:
+                self.backend.release(marker)
         return "armed" if armed else "unsignalled"
 
     def export_marker(self) -> tuple[bytes, object] | None:
@@ -263,12 +282,13 @@ def record_core(stream: object) -> FenceCore:
         DeviceError: The backend failed to record.
         FenceError: This process was forked after the backend was used.
     """
-    backend = backend_for(stream)
-    _fork.check_unused_by_parent(backend.name, backend.title)
+    backend = cached_backend(type(stream)) or backend_for(stream)
+    if _fork.used_by_parent:  # only ever in a forked child
+        _fork.check_unused_by_parent(backend.name, backend.title)
     with _record_locks[hash(backend.stream_key(stream)) % _RECORD_STRIPES]:
         marker, queue = backend.record(stream)
         seq = next(_sequence)
-    if not backend.fork_safe:  # a runtime that does not survive fork()
+    if not backend.fork_safe and backend.name not in _fork.used:  # it does not survive fork()
         _fork.note_used(backend.name)
     return FenceCore(backend, marker, queue, seq)
 

@@ -8,12 +8,13 @@ poller to wake it. Design: ``docs/design.md`` ("Fences", "Waiting").
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, final
 
 from ._backend import backend_for
-from ._config import Strategy, check_strategy, check_timeout, current_config
+from ._config import STRATEGIES, Strategy, check_strategy, check_timeout, current_config
 from ._core import DONE, FAILED, PENDING, FenceCore, record_core
 from ._loops import current_driver
 from ._native import shim
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Fence", "cores_of", "record"]
 
+_KNOWN_STRATEGIES: dict[str, Strategy] = {name: name for name in STRATEGIES}
 # wait_sync sleeps between polls, the sleep doubling up to this.
 _BLOCKING_SLEEP_CAP_S = 1e-3
 
@@ -171,11 +173,15 @@ class Fence:
             ValueError: ``strategy`` is not a known strategy.
             RuntimeError: No asyncio or trio loop runs the calling task.
         """
-        seconds = check_timeout(timeout)
-        chosen = current_config().strategy if strategy is None else check_strategy(strategy)
         # The wait is written here, not in a helper coroutine: each frame a
         # parked task holds is memory per wait, a hundred thousand of them
-        # in a busy server.
+        # in a busy server. The usual arguments skip their validators.
+        seconds = math.inf if timeout is None else check_timeout(timeout)
+        if strategy is None:
+            chosen = current_config().strategy
+        else:
+            known = _KNOWN_STRATEGIES.get(strategy) if isinstance(strategy, str) else None
+            chosen = check_strategy(strategy) if known is None else known
         core = self._core
         driver = current_driver()
         if core.poll() != PENDING or seconds == 0:

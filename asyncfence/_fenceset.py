@@ -56,17 +56,24 @@ def _query(fence: FenceCore) -> tuple[bool, Exception | None]:
 
 
 class FenceSet:
-    """A set of fences that knows which of them a sweep need query."""
+    """A set of fences that knows which of them a sweep need query.
+
+    Attributes:
+        members: The fences in the set; read it, never change it (for a
+            membership test without the call that ``in`` on the set makes).
+    """
+
+    __slots__ = ("_streams", "members")
 
     def __init__(self) -> None:
-        self._members: set[FenceCore] = set()
+        self.members: set[FenceCore] = set()
         self._streams: dict[Hashable, FenceCore | _Stream] = {}
 
     def __len__(self) -> int:
-        return len(self._members)
+        return len(self.members)
 
     def __contains__(self, fence: object) -> bool:
-        return fence in self._members
+        return fence in self.members
 
     @property
     def queue_count(self) -> int:
@@ -79,9 +86,9 @@ class FenceSet:
 
     def add(self, fence: FenceCore) -> bool:
         """Add ``fence``; returns whether it was new."""
-        if fence in self._members:
+        if fence in self.members:
             return False
-        self._members.add(fence)
+        self.members.add(fence)
         key = fence.queue.key
         entry = self._streams.get(key)
         if entry is None:
@@ -95,9 +102,9 @@ class FenceSet:
 
     def discard(self, fence: FenceCore) -> None:
         """Remove ``fence`` if present."""
-        if fence not in self._members:
+        if fence not in self.members:
             return
-        self._members.discard(fence)
+        self.members.discard(fence)
         key = fence.queue.key
         stream = self._streams[key]
         if not isinstance(stream, _Stream):  # it was the only member
@@ -107,20 +114,20 @@ class FenceSet:
         if not stream.members:
             del self._streams[key]  # and with it every stale heap entry
         elif len(stream.heap) > 2 * stream.members + _COMPACT_SLACK:
-            stream.heap = [entry for entry in stream.heap if entry in self._members]
+            stream.heap = [entry for entry in stream.heap if entry in self.members]
             heapq.heapify(stream.heap)
 
     def clear(self) -> None:
         """Remove every fence."""
-        self._members.clear()
+        self.members.clear()
         self._streams.clear()
 
     def _oldest(self, entry: FenceCore | _Stream) -> FenceCore | None:
         if not isinstance(entry, _Stream):
             # Left the set if a sweep just removed it (the stream is gone then).
-            return entry if entry in self._members else None
+            return entry if entry in self.members else None
         heap = entry.heap
-        while heap and heap[0] not in self._members:  # drop stale entries
+        while heap and heap[0] not in self.members:  # drop stale entries
             heapq.heappop(heap)
         return heap[0] if heap else None
 
@@ -130,14 +137,19 @@ class FenceSet:
         Only the oldest member of its stream does: when it completes, a sweep
         finds the others that completed behind it.
         """
-        if fence not in self._members:
+        entry = self._streams.get(fence.queue.key)
+        if entry is fence:
+            return True  # its stream's only member
+        if entry is None or not isinstance(entry, _Stream) or fence not in self.members:
             return False
-        return self._oldest(self._streams[fence.queue.key]) is fence
+        return self._oldest(entry) is fence
 
     def oldest(self, key: Hashable) -> FenceCore | None:
         """The oldest member on the stream with ``key``; ``None`` if it has none."""
-        stream = self._streams.get(key)
-        return None if stream is None else self._oldest(stream)
+        entry = self._streams.get(key)
+        if entry is None or not isinstance(entry, _Stream):
+            return entry  # a stream's only member (a member while its entry is there)
+        return self._oldest(entry)
 
     def heads(self, keys: Collection[Hashable] | None = None) -> list[FenceCore]:
         """The oldest member of each stream (of ``keys``' streams, if given)."""

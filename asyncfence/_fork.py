@@ -38,10 +38,13 @@ __all__ = [
     "ADVICE",
     "check_unused_by_parent",
     "clear_after_fork",
+    "fork_count",
     "generation",
     "note_used",
     "renew_after_fork",
     "unwatch_runtime",
+    "used",
+    "used_by_parent",
     "watch_runtime",
 ]
 
@@ -54,9 +57,15 @@ ADVICE: Final = (
 
 _logger = logging.getLogger("asyncfence.fork")
 
-_generation = 0
-_used: set[str] = set()
-_used_by_parent: frozenset[str] = frozenset()
+#: How many forks separate this process from the one that imported asyncfence
+#: (:func:`generation`). Read as ``_fork.fork_count`` on hot paths, never
+#: imported by name: a forked child counts one more.
+fork_count = 0
+#: The backends this process used (:func:`note_used`); read it, never change it.
+used: set[str] = set()
+#: The backends a forked child's parent had used (:func:`check_unused_by_parent`);
+#: read as ``_fork.used_by_parent``, for the same reason.
+used_by_parent: frozenset[str] = frozenset()
 # Per backend, whether this process has initialised its runtime, asked at each fork.
 _probes: dict[str, Callable[[], bool]] = {}
 _initialised_at_fork: frozenset[str] = frozenset()
@@ -68,12 +77,12 @@ _cleared: weakref.WeakKeyDictionary[object, tuple[str, ...]] = weakref.WeakKeyDi
 
 def generation() -> int:
     """How many forks separate this process from the one that imported asyncfence."""
-    return _generation
+    return fork_count
 
 
 def note_used(backend: str) -> None:
     """Record that this process has used ``backend``'s runtime (a forked child may not)."""
-    _used.add(backend)
+    used.add(backend)
 
 
 def watch_runtime(backend: str, initialised: Callable[[], bool]) -> None:
@@ -100,7 +109,7 @@ def check_unused_by_parent(backend: str, title: str) -> None:
     Raises:
         FenceError: The parent used or initialised it before the fork.
     """
-    if backend in _used_by_parent:
+    if backend in used_by_parent:
         raise FenceError(
             f"{title} was initialised before fork(), in the parent process, and this "
             f"process is its forked child: {ADVICE}"
@@ -145,9 +154,9 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _generation, _used_by_parent
-    _generation += 1
-    _used_by_parent = frozenset(_used) | _initialised_at_fork
+    global fork_count, used_by_parent
+    fork_count += 1
+    used_by_parent = frozenset(used) | _initialised_at_fork
     for owner, attributes in list(_cleared.items()):
         for attribute in attributes:
             setattr(owner, attribute, None)

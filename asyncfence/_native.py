@@ -12,6 +12,7 @@ Thread-safety: :func:`shim` may be called from any thread; a
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -47,6 +48,10 @@ HOW_TO_BUILD: Final = (
     "install a C compiler (gcc or clang) and reinstall asyncfence; without the shim, "
     "parked waits are re-checked on the loop, up to every poll_cap"
 )
+# A NativeSignal from a (host_function, event_callback, argument) tuple.
+_new_signal: Callable[[tuple[int, int, int]], NativeSignal] = functools.partial(
+    tuple.__new__, NativeSignal
+)
 # Fired signals taken from a mailbox per call into the shim.
 _TAKE_BATCH = 256
 
@@ -65,6 +70,7 @@ class Shim:
         take: ``af_mailbox_take``, called with the GIL held and ctypes
             arguments only (see :func:`_gil_holding`).
         take_undrained: ``af_mailbox_take_undrained``, called the same way.
+        slot_new: ``af_slot_new``, called with the GIL held (it only allocates).
     """
 
     library: ctypes.CDLL
@@ -73,6 +79,7 @@ class Shim:
     opencl_callback: int
     take: Callable[..., int]
     take_undrained: Callable[..., int]
+    slot_new: Callable[[int, int], int | None]
 
     def live_slots(self) -> int:
         """Signals armed (or fired) whose slots are not yet freed, process-wide."""
@@ -144,6 +151,10 @@ def _load() -> tuple[Shim | None, str | None, bool]:
             _typed(library)
             take = _gil_holding(library, "af_mailbox_take")
             take_undrained = _gil_holding(library, "af_mailbox_take_undrained")
+            # On every park: a malloc, never worth giving up the GIL for.
+            slot_new = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64)(
+                ("af_slot_new", library)
+            )
         except OSError as error:  # dlopen failed: out of descriptors or memory, say
             return None, f"the shim at {path} could not be loaded: {error}", False
         except AttributeError as error:  # a library of another version
@@ -152,7 +163,8 @@ def _load() -> tuple[Shim | None, str | None, bool]:
             ctypes.cast(f, ctypes.c_void_p).value or 0
             for f in (library.af_fire, library.af_opencl_callback)
         )
-        return Shim(library, str(path), fire, opencl_callback, take, take_undrained), None, True
+        shim = Shim(library, str(path), fire, opencl_callback, take, take_undrained, slot_new)
+        return shim, None, True
     return None, "the shim was not built (no C compiler at install)", True
 
 
@@ -201,7 +213,10 @@ class NativeMailbox:
         self._library = native.library
         self._take = native.take
         self._take_undrained = native.take_undrained
-        self._generation = _fork.generation()
+        self._slot_new = native.slot_new
+        self._fire = native.fire
+        self._opencl_callback = native.opencl_callback
+        self._generation = _fork.fork_count
         handle = self._library.af_mailbox_new()
         if not handle:
             code = ctypes.get_errno()
@@ -231,10 +246,11 @@ class NativeMailbox:
         Raises:
             MemoryError: The shim could not allocate the slot.
         """
-        slot = self._library.af_slot_new(self._handle, token)
+        slot = self._slot_new(self._handle, token)
         if not slot:
             raise MemoryError("the native shim could not allocate a signal slot")
-        return NativeSignal(self._shim.fire, self._shim.opencl_callback, slot), slot
+        # tuple.__new__: a named tuple's own __new__ is Python, a frame per park.
+        return _new_signal((self._fire, self._opencl_callback, slot)), slot
 
     def discard(self, slot: int) -> None:
         """Free a slot whose signal was never armed."""
@@ -253,7 +269,7 @@ class NativeMailbox:
         return self._take_with(self._take_undrained)
 
     def _take_with(self, take: Callable[..., int]) -> list[int]:
-        if self._generation != _fork.generation():
+        if self._generation != _fork.fork_count:
             return []  # a forked child: the parent's mailbox is not ours
         count = take(*self._take_arguments)
         taken: list[int] = self._tokens[:count]

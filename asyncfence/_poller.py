@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
 from ._config import check_seconds, current_config
-from ._core import PENDING
+from ._core import FAILED, PENDING
 from ._fenceset import FenceSet
 from ._loops import current_driver, existing_driver
 from ._native import (
@@ -41,7 +41,7 @@ from ._native import (
 from ._recheck import RecheckSchedule
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable, Iterable
+    from collections.abc import Collection, Hashable, Iterable
 
     from ._config import Strategy
     from ._core import ArmResult, FenceCore
@@ -156,10 +156,10 @@ class _Waits:
 
     __slots__ = ("_more", "_strategy", "_waiter", "since")
 
-    def __init__(self) -> None:
+    def __init__(self, waiter: Waiter, strategy: Strategy) -> None:
         self.since = _clock()
-        self._waiter: Waiter | None = None
-        self._strategy: Strategy = "park"
+        self._waiter: Waiter | None = waiter
+        self._strategy: Strategy = strategy
         self._more: dict[Waiter, Strategy] | None = None  # from the second wait on
 
     def __setitem__(self, waiter: Waiter, strategy: Strategy) -> None:
@@ -209,6 +209,9 @@ class Poller:
         self.driver = driver
         # In the order of each fence's first wait (see _Waits).
         self._waiters: dict[FenceCore, _Waits] = {}
+        #: The fences some wait on this loop waits for (``in`` it: :meth:`is_awaited`
+        #: without its call); read it, never change it.
+        self.awaited: Collection[FenceCore] = self._waiters.keys()
         self._waiter_count = 0
         # Fences with at least one "poll" waiter: polled for as long as they wait.
         self._eager: dict[FenceCore, int] = {}
@@ -233,14 +236,15 @@ class Poller:
         """
         waits = self._waiters.get(fence)
         if waits is None:
-            waits = self._waiters[fence] = _Waits()
-        waits[waiter] = strategy
+            waits = self._waiters[fence] = _Waits(waiter, strategy)
+        else:
+            waits[waiter] = strategy
         self._waiter_count += 1
         if strategy == "park":
             if self._park(fence):
                 return
             strategy = "poll"  # polled instead, for as long as it waits
-            self._waiters[fence][waiter] = strategy
+            waits[waiter] = strategy
         if strategy == "poll":
             self._eager[fence] = self._eager.get(fence, 0) + 1
             self._auto_only.discard(fence)
@@ -291,13 +295,16 @@ class Poller:
         waiters = self._waiters.pop(fence, None)
         if waiters is None:
             return
-        woken = waiters.all()
+        sole = waiters._waiter if waiters._more is None else None  # no call for the usual one
+        woken = waiters.all() if sole is None else (sole,)
         self._waiter_count -= len(woken)
         self._forget(fence)
+        failed = unexpected is None and fence.state == FAILED
         surfaced: BaseException | None = None
         for waiter in woken:
             try:
-                waiter.wake(unexpected or fence.outcome())
+                # Each gets its own copy of a failure (its own traceback).
+                waiter.wake(fence.failure() if failed else unexpected)
             except (KeyboardInterrupt, SystemExit) as interrupt:
                 surfaced = surfaced or interrupt  # after the others are woken
             except BaseException:  # a waker must not raise; the others go on
@@ -310,9 +317,16 @@ class Poller:
         self._waiters.pop(fence, None)
         self._eager.pop(fence, None)
         self._auto_only.discard(fence)
-        self._polled.discard(fence)
-        if self._parking is not None:
-            self._parking.unpark(fence)
+        # Membership first: each call is costly on the wake path.
+        if fence in self._polled.members:
+            self._polled.discard(fence)
+        parking = self._parking
+        if (
+            parking is not None
+            and fence in parking.parked.members
+            and fence not in parking._fired  # the rest of its wake unparks it
+        ):
+            parking.unpark(fence)
 
     def _park(self, fence: FenceCore) -> bool:
         """Park ``fence``; False if it cannot be (then it must be polled)."""
@@ -458,7 +472,8 @@ class _Parking:
     def __init__(self, poller: Poller, mailbox: NativeMailbox | None) -> None:
         self._poller = poller
         self._driver = poller.driver
-        self._parked = FenceSet()
+        #: The parked fences (read by the poller; changed here only).
+        self.parked = FenceSet()
         self._unsignalled: set[FenceCore] = set()
         self._unsignalled_sleep = _FIRST_SLEEP_S
         self._unsignalled_due = 0.0
@@ -492,31 +507,33 @@ class _Parking:
 
     def __len__(self) -> int:
         # Not counting the fences woken whose rest of the wake has not run yet.
-        return len(self._parked) - sum(1 for fence in self._fired if self._woken(fence))
+        return len(self.parked) - sum(1 for fence in self._fired if self._woken(fence))
 
     def __contains__(self, fence: object) -> bool:
         """Whether ``fence`` is parked (a woken one whose wake has not finished, too)."""
-        return fence in self._parked
+        return fence in self.parked
 
     def _woken(self, fence: FenceCore) -> bool:
         """Whether ``fence`` is parked with no wait left on it (its waiters woken or gone)."""
-        return fence in self._parked and not self._poller.is_awaited(fence)
+        return fence in self.parked and not self._poller.is_awaited(fence)
 
     @property
     def armed(self) -> int:
         """Parked fences with an armed signal."""
-        return sum(1 for ref in self._armed.values() if ref() in self._parked)
+        return sum(1 for ref in self._armed.values() if ref() in self.parked)
 
     def park(self, fence: FenceCore) -> None:
         """Watch ``fence`` for its waiters; what it finds settled, it wakes on the next turn."""
+        parked = self.parked
+        awaited = self._poller.awaited
         for fired in self._fired:
             # A task woken a moment ago parks again before the rest of its
             # wake ran: the fences woken leave the set now, so that this one
             # can be the oldest of its queue and get its signal at once. One
             # that settled but whose waiters were not woken yet stays.
-            if self._woken(fired):
-                self._parked.discard(fired)
-        if not self._parked.add(fence):
+            if fired not in awaited and fired in parked.members:
+                parked.discard(fired)
+        if not parked.add(fence):
             return
         # A new wait gets its stream's prompt re-check; a running chain is
         # already due by then unless that made it sooner.
@@ -526,15 +543,20 @@ class _Parking:
             self._recheck.ensure(self._recheck_delay())
         # The oldest fence of its stream gets a signal; a younger one is found
         # by the sweep that its stream's oldest brings (a signal, or the
-        # re-checks of an unsignalled one).
-        self._arm([fence])
+        # re-checks of an unsignalled one). Not _arm([fence]): every park
+        # comes here, and that loop costs a third more.
+        if self._has_signal(fence) or not parked.needs_own_signal(fence):
+            return
+        result = self._arm_one(fence)
+        if result != "armed" and self._not_armed(fence, result):
+            self._driver.call_soon(functools.partial(self._sweep, {fence.queue.key}))
 
     def unpark(self, fence: FenceCore) -> None:
         """Stop watching ``fence``: no wait on this loop is left on it."""
-        if fence not in self._parked or fence in self._fired:
+        if fence not in self.parked or fence in self._fired:
             return  # not parked, or the rest of its wake unparks it
-        was_head = self._parked.needs_own_signal(fence)
-        self._parked.discard(fence)
+        was_head = self.parked.needs_own_signal(fence)
+        self.parked.discard(fence)
         self._unsignalled.discard(fence)
         if self._driver.is_closed():
             return  # a wait abandoned on a closed loop, being collected: nothing to arm
@@ -546,7 +568,7 @@ class _Parking:
 
     def _rearm(self) -> None:
         self._rearm_scheduled = False
-        self._arm(self._parked.heads())
+        self._arm(self.parked.heads())
 
     # -- signals -------------------------------------------------------------------
 
@@ -564,21 +586,23 @@ class _Parking:
             if (
                 self._has_signal(fence)
                 or fence in self._unsignalled
-                or not self._parked.needs_own_signal(fence)
+                or not self.parked.needs_own_signal(fence)
             ):
                 continue
             result = self._arm_one(fence)
-            if result == "armed":
-                continue
-            if result == "unsignalled":
-                self._unsignalled.add(fence)
-                self._unsignalled_sleep = _FIRST_SLEEP_S
-                self._unsignalled_due = _recheck_clock() + _FIRST_SLEEP_S
-                self._recheck.ensure(_FIRST_SLEEP_S)
-            if result == "settled" or _settled_now(fence):
+            if result != "armed" and self._not_armed(fence, result):
                 settled.add(fence.queue.key)
         if settled:
             self._driver.call_soon(functools.partial(self._sweep, settled))
+
+    def _not_armed(self, fence: FenceCore, result: ArmResult) -> bool:
+        """``fence`` got no signal: re-check it if need be; whether its stream needs a sweep."""
+        if result == "unsignalled":
+            self._unsignalled.add(fence)
+            self._unsignalled_sleep = _FIRST_SLEEP_S
+            self._unsignalled_due = _recheck_clock() + _FIRST_SLEEP_S
+            self._recheck.ensure(_FIRST_SLEEP_S)
+        return result == "settled" or _settled_now(fence)
 
     def _arm_one(self, fence: FenceCore) -> ArmResult:
         """Arm ``fence``'s signal: ``"unsignalled"`` if it must be re-checked instead."""
@@ -621,46 +645,55 @@ class _Parking:
         call does not even ask the shim which fired: a foreign call is the
         costliest line there.
         """
-        mailbox = self._mailbox
-        assert mailbox is not None
-        if self._rest_pending:
-            self._rest_pending = False
+        # Guarded here rather than by the driver: a frame less per call.
+        try:
+            mailbox = self._mailbox
+            assert mailbox is not None
+            if self._rest_pending:
+                self._rest_pending = False
+                tokens = mailbox.take()
+                if tokens:
+                    self._wake_signalled(tokens)
+                self._finish_wake()
+                return False
+            # With one signal armed, it is the one that fired: no need to ask
+            # the shim. Should its fence be pending still (a collected fence's
+            # signal made the fd readable, say), the rest of the wake arms it
+            # again.
+            sole = list(self._armed) if len(self._armed) == 1 else None
+            if self._wake_signalled(sole or mailbox.take_undrained()):
+                self._rest_pending = True
+                return True
+            # Nothing taken (a leftover from a wake a waker raised through):
+            # drain the fd, and finish at once what that finds.
             self._wake_signalled(mailbox.take())
-            self._finish_wake()
-            return False
-        # With one signal armed, it is the one that fired: no need to ask the
-        # shim. Should its fence be pending still (a collected fence's signal
-        # made the fd readable, say), the rest of the wake arms it again.
-        sole = list(self._armed) if len(self._armed) == 1 else None
-        if self._wake_signalled(sole or mailbox.take_undrained()):
-            self._rest_pending = True
-            return True
-        # Nothing taken (a leftover from a wake a waker raised through): drain
-        # the fd, and finish at once what that finds.
-        self._wake_signalled(mailbox.take())
-        if self._fired:
-            self._finish_wake()
+            if self._fired:
+                self._finish_wake()
+        except Exception:
+            _logger.exception("asyncfence: the native mailbox's reader raised; the loop goes on")
         return False
 
     def _wake_signalled(self, tokens: list[int]) -> int:
         """Wake the waits on the fences whose signals these are, where settled; how many."""
         poller = self._poller
         fired = self._fired
+        armed = self._armed
         for token in tokens:
-            ref = self._armed.pop(token, None)
+            ref = armed.pop(token, None)
             fence = None if ref is None else ref()
             if fence is None:
                 continue  # its waiters left and it is gone: harmless
             self.signals += 1
             fired[fence] = None
-            self.queries += fence.state == PENDING
-            try:
-                if fence.poll(keep_marker=True) == PENDING:
-                    continue  # early: the rest of the wake arms it again
-            except Exception as unexpected:  # a backend bug must reach the waiters
-                poller.wake(fence, unexpected)
-            else:
-                poller.wake(fence)
+            if fence.state == PENDING:
+                self.queries += 1
+                try:
+                    if fence.poll(keep_marker=True) == PENDING:
+                        continue  # early: the rest of the wake arms it again
+                except Exception as unexpected:  # a backend bug must reach the waiters
+                    poller.wake(fence, unexpected)
+                    continue
+            poller.wake(fence)
         return len(tokens)
 
     def _finish_wake(self) -> None:
@@ -675,19 +708,21 @@ class _Parking:
         progressed, none where the woken task parked its next fence already.
         """
         fired, self._fired = self._fired, {}
-        parked = self._parked
+        parked = self.parked
+        awaited = self._poller.awaited
         keys: set[Hashable] = set()
         for fence in fired:
             keys.add(fence.queue.key)
-            if not self._poller.is_awaited(fence):  # woken, or its waits left
-                parked.discard(fence)
+            if fence not in awaited:  # woken, or its waits left
+                if fence in parked.members:
+                    parked.discard(fence)
                 self._unsignalled.discard(fence)
             fence.release_marker()
-        to_sweep = [
-            key
-            for key in keys
-            if (oldest := parked.oldest(key)) is not None and not self._has_signal(oldest)
-        ]
+        to_sweep = []
+        for key in keys:  # a loop, not a comprehension: that would be a call more
+            oldest = parked.oldest(key)
+            if oldest is not None and not self._has_signal(oldest):
+                to_sweep.append(key)
         if to_sweep:
             try:
                 self.queries += parked.sweep(self._settled, to_sweep)
@@ -717,9 +752,9 @@ class _Parking:
             progressed.add(fence.queue.key)
             self._settled(fence, unexpected)
 
-        self.queries += self._parked.sweep(settled, set(keys))
+        self.queries += self.parked.sweep(settled, set(keys))
         if progressed:
-            self._arm(self._parked.heads(progressed))
+            self._arm(self.parked.heads(progressed))
         return progressed
 
     # -- re-checks -----------------------------------------------------------------
@@ -746,7 +781,7 @@ class _Parking:
         """
         if self._fired and not self._rest_pending:
             self._finish_wake()  # left by a wake that a waker raised through
-        parked = self._parked
+        parked = self.parked
         if not parked:
             self._stop_rechecks()
             return None
@@ -808,7 +843,7 @@ def poller_of(driver: LoopDriver) -> Poller:
     poller = driver.poller
     if poller is None:
         poller = driver.poller = Poller(driver)
-    return cast("Poller", poller)
+    return poller  # type: ignore[return-value]  # no cast(): a call on every wait
 
 
 def current_poller() -> Poller:

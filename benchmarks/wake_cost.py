@@ -57,7 +57,7 @@ _NOTHING = "@nothing"
 FUNCTIONS = (
     "asyncfence._fence:record",
     "asyncfence._backends.opencl._runtime:OpenCLBackend.record",
-    "asyncfence._backends.opencl._runtime:OpenCLBackend._queue_info",
+    "asyncfence._backends.opencl._runtime:OpenCLBackend._known",
     "asyncfence._fence:Fence.wait",
     "asyncfence._poller:Poller.add",
     "asyncfence._poller:Poller._park",

@@ -538,15 +538,17 @@ def test_concurrent_records_are_numbered_in_queue_order(
     backend = backend_for(opencl_queue)
     assert isinstance(backend, _opencl.OpenCLBackend)
     inside, go = threading.Event(), threading.Event()
-    queue_info = backend._queue_info
+    known = backend._known(opencl_queue)
+    enqueue_marker = known.enqueue_marker
 
-    def slow_queue_info(stream: cl.CommandQueue) -> Any:
+    def slow_enqueue_marker(stream: cl.CommandQueue, wait_for: None) -> cl.Event:
+        marker = enqueue_marker(stream, wait_for)
         if threading.current_thread().name == "first":
             inside.set()  # the marker is enqueued; the fence not yet numbered
             go.wait(HANG_GUARD_S)
-        return queue_info(stream)
+        return marker
 
-    monkeypatch.setattr(backend, "_queue_info", slow_queue_info)
+    monkeypatch.setattr(known, "enqueue_marker", slow_enqueue_marker)
     fences: dict[str, Fence] = {}
 
     def record(name: str) -> None:

@@ -107,7 +107,7 @@ async def test_a_wait_whose_registration_fails_leaves_nothing_registered(
     queue: cl.CommandQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken_add(self: _poller.Poller, fence: Any, waiter: Any, strategy: str) -> None:
-        self._waiters.setdefault(fence, _poller._Waits())[waiter] = "park"  # registered halfway
+        self._waiters.setdefault(fence, _poller._Waits(waiter, "park"))  # registered halfway
         self._waiter_count += 1
         raise RuntimeError("registration failed midway")
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from asyncio import _get_running_loop
 
-from ._asyncio import driver_of
+from ._asyncio import DRIVER_ATTRIBUTE, driver_of
 from ._driver import Chain, LoopDriver, Waiter
 from ._trio import driver_of_run
 
@@ -36,13 +37,17 @@ def _running_asyncio_loop() -> asyncio.AbstractEventLoop:
 def current_driver() -> LoopDriver:
     """The driver of the loop that runs the calling task, made on first use.
 
+    On every wait's path: the lookups are written out here.
+
     Raises:
         RuntimeError: No asyncio or trio loop runs the calling task.
     """
-    if _in_trio():
+    trio = sys.modules.get("trio")
+    if trio is not None and trio.lowlevel.in_trio_task():
         driver: LoopDriver | None = driver_of_run(create=True)
     else:
-        driver = driver_of(_running_asyncio_loop(), create=True)
+        loop = _get_running_loop() or _running_asyncio_loop()  # that raises, saying why
+        driver = getattr(loop, DRIVER_ATTRIBUTE, None) or driver_of(loop, create=True)
     assert driver is not None
     return driver
 

@@ -8,14 +8,14 @@ import math
 import weakref
 from typing import TYPE_CHECKING, Final
 
-from ._driver import guarded, read_guarded, retry_delay
+from ._driver import guarded, retry_delay
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from ._driver import Waiter
 
-__all__ = ["AsyncioDriver", "driver_of"]
+__all__ = ["DRIVER_ATTRIBUTE", "AsyncioDriver", "driver_of"]
 
 _logger = logging.getLogger("asyncfence.loops")
 
@@ -23,7 +23,7 @@ _logger = logging.getLogger("asyncfence.loops")
 # that a loop closed with waits pending is collected with its poller (a
 # registry keyed by the loop would be kept alive by the waiters' futures,
 # which refer to the loop).
-_DRIVER_ATTRIBUTE: Final = "_asyncfence_driver"
+DRIVER_ATTRIBUTE: Final = "_asyncfence_driver"
 
 
 class _AsyncioChain:
@@ -194,7 +194,7 @@ class AsyncioDriver:
             # A True return left fd readable: the selector reports it again on
             # the next turn, and its callback queues behind the ready ones (the
             # woken tasks), since the ready queue is first in, first out.
-            loop.add_reader(fd, read_guarded, on_readable)
+            loop.add_reader(fd, on_readable)
         except NotImplementedError:  # a proactor loop (Windows)
             return False
         return True
@@ -211,14 +211,14 @@ _unattributable: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncioDri
 
 def driver_of(loop: asyncio.AbstractEventLoop, *, create: bool) -> AsyncioDriver | None:
     """``loop``'s driver; made on first use where ``create``, else ``None`` until then."""
-    driver: AsyncioDriver | None = getattr(loop, _DRIVER_ATTRIBUTE, None)
+    driver: AsyncioDriver | None = getattr(loop, DRIVER_ATTRIBUTE, None)
     if driver is not None:
         return driver
     driver = _unattributable.get(loop)
     if driver is None and create:
         driver = AsyncioDriver(loop)
         try:
-            setattr(loop, _DRIVER_ATTRIBUTE, driver)
+            setattr(loop, DRIVER_ATTRIBUTE, driver)
         except AttributeError:  # a loop without __dict__: a weak registry instead
             _unattributable[loop] = driver
     return driver

@@ -7,10 +7,10 @@ chain, and a file descriptor to watch. It knows nothing of devices or fences.
 Each loop library has one driver class, in a module of its own; one driver
 per loop, made on first use, lives as long as the loop (or the trio run).
 
-Every callback a driver runs for the poller goes through :func:`guarded`:
-nothing the poller does can raise into the loop (an asyncio exception handler,
-trio's ``TrioInternalError``), and a chain step that fails is retried rather
-than lost.
+Every callback a driver runs for the poller goes through :func:`guarded`
+(the mailbox's reader guards itself): nothing the poller does can raise into
+the loop (an asyncio exception handler, trio's ``TrioInternalError``), and a
+chain step that fails is retried rather than lost.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .._config import current_config
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-__all__ = ["Chain", "LoopDriver", "Waiter", "guarded", "read_guarded", "retry_delay"]
+__all__ = ["Chain", "LoopDriver", "Waiter", "guarded", "retry_delay"]
 
 _logger = logging.getLogger("asyncfence.loops")
 
@@ -130,7 +130,8 @@ class LoopDriver(Protocol):
 
         When it returns True it left ``fd`` readable on purpose, to be called
         again once the tasks it woke have run: the driver makes sure that the
-        repeat call comes after them.
+        repeat call comes after them. It never raises (it guards itself: the
+        wake path saves the wrapper's frame), so the driver calls it as it is.
 
         Returns:
             False if this loop cannot watch file descriptors.
@@ -152,15 +153,6 @@ def guarded(callback: Callable[[], None], what: str) -> Callable[[], None]:
             _logger.exception("asyncfence: %s raised; the loop goes on", what)
 
     return run
-
-
-def read_guarded(on_readable: Callable[[], bool]) -> bool:
-    """``on_readable()``, made safe to run on the loop: False if it raised an Exception."""
-    try:
-        return on_readable()
-    except Exception:
-        _logger.exception("asyncfence: the native mailbox's reader raised; the loop goes on")
-        return False
 
 
 def retry_delay() -> float:

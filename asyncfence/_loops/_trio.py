@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ._driver import guarded, read_guarded, retry_delay
+from ._driver import guarded, retry_delay
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -18,6 +18,21 @@ if TYPE_CHECKING:
 __all__ = ["TrioDriver", "driver_of_run"]
 
 _logger = logging.getLogger("asyncfence.loops")
+
+# What every wait calls of trio's and outcome's, bound as the first driver is
+# made (this module is imported without trio): an import statement on each
+# call runs the import machinery.
+_lowlevel: Any = None
+_value: Any = None
+_error: Any = None
+
+
+def _bind() -> None:
+    global _lowlevel, _value, _error
+    import outcome
+    import trio
+
+    _lowlevel, _value, _error = trio.lowlevel, outcome.Value, outcome.Error
 
 
 class _TrioChain:
@@ -96,14 +111,10 @@ class _TaskWaiter:
         return trio.lowlevel.Abort.SUCCEEDED
 
     def wake(self, error: BaseException | None) -> None:
-        import outcome
-        import trio
-
         task, self.task = self.task, None
         if task is None:
             return  # one reschedule per wait, whatever happens
-        result = outcome.Value(True) if error is None else outcome.Error(error)
-        trio.lowlevel.reschedule(task, result)
+        _lowlevel.reschedule(task, _value(True) if error is None else _error(error))
 
 
 async def _suspend_for(waiter: _TaskWaiter, seconds: float) -> bool:
@@ -124,18 +135,15 @@ class TrioDriver:
     __slots__ = ("__weakref__", "_token", "poller", "relay")
 
     def __init__(self) -> None:
-        import trio
-
-        self._token = trio.lowlevel.current_trio_token()
+        _bind()
+        self._token = _lowlevel.current_trio_token()
         self.poller: object = None
         self.relay: object = None
 
     # -- for the wait ------------------------------------------------------------
 
     def new_waiter(self) -> _TaskWaiter:
-        import trio
-
-        return _TaskWaiter(trio.lowlevel.current_task())
+        return _TaskWaiter(_lowlevel.current_task())
 
     async def checkpoint(self) -> None:
         import trio
@@ -143,12 +151,10 @@ class TrioDriver:
         await trio.lowlevel.checkpoint()
 
     def suspend(self, waiter: Waiter, seconds: float) -> Awaitable[bool]:
-        import trio
-
         assert isinstance(waiter, _TaskWaiter)
         if seconds == math.inf:  # trio's own coroutine, as it is: no frame of ours
             # Awaited by the caller, at once.
-            woken: Awaitable[bool] = trio.lowlevel.wait_task_rescheduled(waiter.abort)  # noqa: ASYNC105
+            woken: Awaitable[bool] = _lowlevel.wait_task_rescheduled(waiter.abort)
             return woken
         return _suspend_for(waiter, seconds)
 
@@ -187,7 +193,7 @@ class TrioDriver:
         async def read_forever() -> None:
             while True:
                 await trio.lowlevel.wait_readable(fd)
-                while read_guarded(on_readable):
+                while on_readable():
                     # Called again once the tasks it woke have run: trio may
                     # run a batch of tasks in either order, so two turns.
                     await trio.lowlevel.cancel_shielded_checkpoint()
@@ -209,9 +215,9 @@ _run_driver: trio.lowlevel.RunVar[TrioDriver] | None = None
 def driver_of_run(*, create: bool) -> TrioDriver | None:
     """The running trio run's driver; made on first use where ``create``, else ``None``."""
     global _run_driver
-    import trio
-
     if _run_driver is None:
+        import trio
+
         _run_driver = trio.lowlevel.RunVar("asyncfence.driver")
     try:
         return _run_driver.get()

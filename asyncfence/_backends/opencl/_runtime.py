@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import operator
 import os
 import sys
 import threading
@@ -23,7 +24,7 @@ from ..._validation import type_name
 from ._lab import OpenCLLab
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
+    from collections.abc import Callable, Hashable
 
     import pyopencl as cl
 
@@ -88,34 +89,41 @@ class OpenCLBackend(Backend["cl.Event"]):
         return cl is not None and isinstance(stream, cl.CommandQueue)
 
     def stream_key(self, stream: object) -> Hashable:
+        known: _KnownQueue | None = getattr(stream, _KNOWN_QUEUE_ATTRIBUTE, None)
+        if known is not None:
+            return known.info.key
         return stream.int_ptr  # type: ignore[attr-defined,no-any-return]
 
-    def _queue_info(self, queue: cl.CommandQueue) -> QueueInfo:
-        # Out-of-order queues too: a marker with no wait list waits for every
-        # command enqueued before it, earlier markers included. Kept on the
-        # queue (which takes no weak reference): its context is a property
-        # that makes a wrapper on every read.
-        info: QueueInfo | None = getattr(queue, _QUEUE_INFO_ATTRIBUTE, None)
-        if info is None:
-            info = QueueInfo(queue.int_ptr, domain=queue.context.int_ptr)
+    def _known(self, queue: cl.CommandQueue) -> _KnownQueue:
+        # Kept on the queue (which takes no weak reference): its context is a
+        # property that makes a wrapper on every read, and its version one
+        # that runs Python.
+        known: _KnownQueue | None = getattr(queue, _KNOWN_QUEUE_ATTRIBUTE, None)
+        if known is None:
+            known = _KnownQueue(queue)
             with contextlib.suppress(AttributeError):  # a queue without a __dict__
-                setattr(queue, _QUEUE_INFO_ATTRIBUTE, info)
-        return info
+                setattr(queue, _KNOWN_QUEUE_ATTRIBUTE, known)
+        return known
+
+    def _queue_info(self, queue: cl.CommandQueue) -> QueueInfo:
+        return self._known(queue).info
 
     def record(self, stream: object) -> tuple[cl.Event, QueueInfo]:
         import pyopencl as cl
 
-        assert isinstance(stream, cl.CommandQueue)
-        marker = cl.enqueue_marker(stream)
+        if stream.__class__ is not cl.CommandQueue and not isinstance(stream, cl.CommandQueue):
+            raise TypeError(f"expected {self.accepts}; got {type_name(stream)} object")
+        known = self._known(stream)
+        marker = known.enqueue_marker(stream, None)
         # Without a flush the marker may never reach the device, and a wait on
         # it would hang.
         stream.flush()
         if len(self._graveyard) >= self._sweep_at:
             self._sweep()
-        return marker, self._queue_info(stream)
+        return marker, known.info
 
     def query(self, marker: cl.Event) -> bool:
-        status: int = marker.command_execution_status
+        status = _execution_status(marker)
         if status < 0:
             raise DeviceError(
                 self.name,
@@ -151,7 +159,7 @@ class OpenCLBackend(Backend["cl.Event"]):
         # The caller found the fence not failed just before. Failed since: the
         # barrier may have been enqueued behind an event that had already
         # failed, and PoCL never fails (nor runs) such a command.
-        status = marker.command_execution_status
+        status = _execution_status(marker)
         if status < 0:
             raise DeviceError(
                 self.name,
@@ -164,7 +172,7 @@ class OpenCLBackend(Backend["cl.Event"]):
     def arm(self, marker: cl.Event, queue: QueueInfo, signal: NativeSignal) -> bool:
         if not signal.event_callback:
             return False
-        code = _set_event_callback()(
+        code = (_set_event_callback_function or _set_event_callback())(
             marker.int_ptr,
             _CL_COMPLETE,
             signal.event_callback,
@@ -192,7 +200,7 @@ class OpenCLBackend(Backend["cl.Event"]):
 
     def release(self, marker: cl.Event) -> None:
         # Atomic deque operations only: this may run in a finalizer.
-        status = marker.command_execution_status
+        status = _execution_status(marker)
         if status > 0:
             self._graveyard.append(marker)
         elif status < 0:
@@ -200,13 +208,18 @@ class OpenCLBackend(Backend["cl.Event"]):
             # on another thread; releasing it now can crash the process.
             self._failed.append(marker)
 
+    def release_done(self, marker: cl.Event) -> None:
+        # Complete: nothing can fail behind it any more, so it is let go as
+        # it is, without another query.
+        pass
+
     def _sweep(self) -> None:
         if not self._sweep_lock.acquire(blocking=False):
             return
         try:
             for _ in range(len(self._graveyard)):
                 marker = self._graveyard.popleft()
-                status = marker.command_execution_status
+                status = _execution_status(marker)
                 if status > 0:
                     self._graveyard.append(marker)
                 elif status < 0:
@@ -228,8 +241,33 @@ class OpenCLBackend(Backend["cl.Event"]):
 
 
 _CL_COMPLETE = 0
-# Where a queue keeps its QueueInfo.
-_QUEUE_INFO_ATTRIBUTE = "_asyncfence_queue_info"
+# An event's CL_EVENT_COMMAND_EXECUTION_STATUS (0x11D3) through get_info
+# itself: its property runs a Python function of pyopencl's on each read.
+_execution_status: Callable[[cl.Event], int] = operator.methodcaller("get_info", 0x11D3)
+# Where a queue keeps its _KnownQueue.
+_KNOWN_QUEUE_ATTRIBUTE = "_asyncfence_queue"
+
+
+class _KnownQueue:
+    """What a record on one queue needs, found once per queue."""
+
+    __slots__ = ("enqueue_marker", "info")
+
+    def __init__(self, queue: cl.CommandQueue) -> None:
+        import pyopencl as cl
+        from pyopencl import _cl
+
+        # Out-of-order queues too: a marker with no wait list waits for every
+        # command enqueued before it, earlier markers included.
+        self.info = QueueInfo(queue.int_ptr, domain=queue.context.int_ptr)
+        # pyopencl's enqueue_marker without its version checks on each call.
+        self.enqueue_marker: Callable[[cl.CommandQueue, None], cl.Event]
+        if queue._get_cl_version() >= (1, 2) and cl.get_cl_header_version() >= (1, 2):
+            self.enqueue_marker = _cl._enqueue_marker_with_wait_list
+        else:
+            self.enqueue_marker = cl.enqueue_marker
+
+
 _set_event_callback_function: Any = None
 
 
