@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Fence", "cores_of", "record"]
 
-_KNOWN_STRATEGIES: dict[str, Strategy] = {name: name for name in STRATEGIES}
+_KNOWN_STRATEGIES = frozenset(STRATEGIES)
 # wait_sync sleeps between polls, the sleep doubling up to this.
 _BLOCKING_SLEEP_CAP_S = 1e-3
 
@@ -175,30 +175,31 @@ class Fence:
         """
         # The wait is written here, not in a helper coroutine: each frame a
         # parked task holds is memory per wait, a hundred thousand of them
-        # in a busy server. The usual arguments skip their validators.
-        seconds = math.inf if timeout is None else check_timeout(timeout)
+        # in a busy server. For the same reason the arguments are reassigned,
+        # not copied (a local is a slot in that frame), and the usual ones
+        # skip their validators.
+        timeout = math.inf if timeout is None else check_timeout(timeout)
         if strategy is None:
-            chosen = current_config().strategy
-        else:
-            known = _KNOWN_STRATEGIES.get(strategy) if isinstance(strategy, str) else None
-            chosen = check_strategy(strategy) if known is None else known
+            strategy = current_config().strategy
+        elif not (isinstance(strategy, str) and strategy in _KNOWN_STRATEGIES):
+            strategy = check_strategy(strategy)
         core = self._core
         driver = current_driver()
-        if core.poll() != PENDING or seconds == 0:
+        if core.poll() != PENDING or timeout == 0:
             await driver.checkpoint()  # a checkpoint, even when there is nothing to wait for
-            _settled_outcome(core, seconds)
+            _settled_outcome(core, timeout)
             return
         poller = poller_of(driver)
         waiter = driver.new_waiter()
         woken = False
         try:
-            poller.add(core, waiter, chosen)
-            woken = await driver.suspend(waiter, seconds)
+            poller.add(core, waiter, strategy)
+            woken = await driver.suspend(waiter, timeout)
         finally:
             if not woken:  # cancelled, timed out or failed: a wake unregisters its waiters
                 poller.discard(core, waiter)
         if not woken:
-            _settled_outcome(core, seconds)
+            _settled_outcome(core, timeout)
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()

@@ -23,7 +23,6 @@ import functools
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -478,11 +477,12 @@ class _Parking:
         self._unsignalled_sleep = _FIRST_SLEEP_S
         self._unsignalled_due = 0.0
         # Armed signals not yet fired, by token: a signal's token is its
-        # fence's id(). Weak, so a fence whose waiters left is never kept
-        # alive by its signal; re-parked, it reuses it. A token may outlive
-        # its fence and name a newer one with the same id: that one is then
-        # polled early, found pending and armed again, as for any early signal.
-        self._armed: dict[int, weakref.ref[FenceCore]] = {}
+        # fence's record number, unique in the process, so a token names one
+        # fence for good. The fence is held until its signal fires (its waits
+        # may leave first; re-parked, it reuses the signal): a weak reference
+        # would cost a parked wait a twentieth of its memory, and a token could
+        # then outlive its fence.
+        self._armed: dict[int, FenceCore] = {}
         self._rearm_scheduled = False
         # Fences whose signal fired, left for the rest of the wake (in order).
         self._fired: dict[FenceCore, None] = {}
@@ -520,7 +520,7 @@ class _Parking:
     @property
     def armed(self) -> int:
         """Parked fences with an armed signal."""
-        return sum(1 for ref in self._armed.values() if ref() in self.parked)
+        return sum(1 for fence in self._armed.values() if fence in self.parked)
 
     def park(self, fence: FenceCore) -> None:
         """Watch ``fence`` for its waiters; what it finds settled, it wakes on the next turn."""
@@ -609,7 +609,7 @@ class _Parking:
         mailbox = self._mailbox
         if mailbox is None:
             return "unsignalled"
-        token = id(fence)
+        token = fence.seq
         try:
             signal, slot = mailbox.signal(token)
         except MemoryError:
@@ -622,13 +622,12 @@ class _Parking:
         if result != "armed":
             mailbox.discard(slot)
             return result
-        self._armed[token] = weakref.ref(fence)
+        self._armed[token] = fence
         return result
 
     def _has_signal(self, fence: FenceCore) -> bool:
         """Whether ``fence`` has an armed signal that has not fired yet."""
-        ref = self._armed.get(id(fence))
-        return ref is not None and ref() is fence
+        return fence.seq in self._armed
 
     # -- the wake ------------------------------------------------------------------
 
@@ -679,10 +678,9 @@ class _Parking:
         fired = self._fired
         armed = self._armed
         for token in tokens:
-            ref = armed.pop(token, None)
-            fence = None if ref is None else ref()
+            fence = armed.pop(token, None)
             if fence is None:
-                continue  # its waiters left and it is gone: harmless
+                continue  # forgotten settled, when nothing was parked: harmless
             self.signals += 1
             fired[fence] = None
             if fence.state == PENDING:
@@ -825,9 +823,12 @@ class _Parking:
         already, with no chain to run it.
         """
         self._schedule = RecheckSchedule()
-        # Signals of collected fences that never fired (a faulted context
-        # runs no host function) would otherwise stay.
-        self._armed = {token: ref for token, ref in self._armed.items() if ref() is not None}
+        # Only the fences of abandoned waits can be armed now. Those settled
+        # are let go: a signal that never fires (a faulted context runs no
+        # host function) would otherwise hold its fence until the loop ends.
+        self._armed = {
+            token: fence for token, fence in self._armed.items() if not _settled_now(fence)
+        }
 
 
 def _settled_now(fence: FenceCore) -> bool:

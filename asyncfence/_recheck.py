@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:
     from collections.abc import Hashable
@@ -30,22 +30,28 @@ BACKOFF_LIMIT = 8
 # The heap is rebuilt once stale entries outnumber live ones by this many.
 _COMPACT_SLACK = 64
 
+_Entry: TypeAlias = "tuple[float, int, Hashable, int]"
+
 
 class RecheckSchedule:
     """Per-stream due times for the re-checks of parked fences."""
 
-    __slots__ = ("_backoff", "_due", "_heap", "_order")
+    __slots__ = ("_entries", "_heap", "_order", "_taken")
 
     def __init__(self) -> None:
-        # (due, order, key); an entry is live while it matches _due[key].
-        self._heap: list[tuple[float, int, Hashable]] = []
-        self._due: dict[Hashable, float] = {}
-        self._backoff: dict[Hashable, int] = {}
+        # Entries are (due, order, key, backoff), the order breaking ties (keys
+        # need not compare); a stream's backoff rides in its entry, not in a
+        # map of its own. An entry is live while it is _entries[key].
+        self._heap: list[_Entry] = []
+        self._entries: dict[Hashable, _Entry] = {}
+        # The backoffs of the streams take_due() handed out, until each is
+        # checked() or forgotten.
+        self._taken: dict[Hashable, int] = {}
         self._order = itertools.count()
 
     def __len__(self) -> int:
         """How many streams have a re-check scheduled."""
-        return len(self._due)
+        return len(self._entries)
 
     def parked(self, key: Hashable, now: float, interval: float) -> bool:
         """A fence parked on stream ``key``: it is re-checked within ``interval``.
@@ -53,23 +59,26 @@ class RecheckSchedule:
         Returns:
             Whether that made its re-check sooner (else one was due by then).
         """
-        self._backoff[key] = 1
         due = now + interval
-        if self._due.get(key, due + 1.0) <= due:
-            return False
-        self._schedule(key, due)
-        return True
+        entry = self._entries.get(key)
+        if entry is None or due < entry[0]:
+            self._taken.pop(key, None)
+            self._schedule(key, due, 1)
+            return True
+        if entry[3] != 1:  # due by then already, but its backoff starts over
+            self._schedule(key, entry[0], 1)
+        return False
 
     def checked(self, key: Hashable, settled: bool, now: float, interval: float) -> None:
         """Stream ``key`` was re-checked: when next, by whether anything had settled."""
-        backoff = 1 if settled else min(2 * self._backoff.get(key, 1), BACKOFF_LIMIT)
-        self._backoff[key] = backoff
-        self._schedule(key, now + interval * backoff)
+        backoff = self._taken.pop(key, 1)
+        backoff = 1 if settled else min(2 * backoff, BACKOFF_LIMIT)
+        self._schedule(key, now + interval * backoff, backoff)
 
     def forget(self, key: Hashable) -> None:
         """Nothing is parked on stream ``key`` any more."""
-        self._due.pop(key, None)
-        self._backoff.pop(key, None)
+        self._entries.pop(key, None)
+        self._taken.pop(key, None)
 
     def take_due(self, now: float, limit: int) -> list[Hashable]:
         """Up to ``limit`` streams due by ``now``, earliest first.
@@ -77,24 +86,28 @@ class RecheckSchedule:
         Each must then be :meth:`checked` or :meth:`forget`-ten.
         """
         heap = self._heap
+        entries = self._entries
         taken: list[Hashable] = []
         while heap and len(taken) < limit and heap[0][0] <= now:
-            due, _, key = heapq.heappop(heap)
-            if self._due.get(key) == due:
-                del self._due[key]  # until checked() schedules it again
+            entry = heapq.heappop(heap)
+            key = entry[2]
+            if entries.get(key) is entry:
+                del entries[key]  # until checked() schedules it again
+                self._taken[key] = entry[3]
                 taken.append(key)
         return taken
 
     def next_due(self) -> float | None:
         """When the earliest re-check is due; ``None`` with none scheduled."""
         heap = self._heap
-        while heap and self._due.get(heap[0][2]) != heap[0][0]:
+        while heap and self._entries.get(heap[0][2]) is not heap[0]:
             heapq.heappop(heap)  # stale
         return heap[0][0] if heap else None
 
-    def _schedule(self, key: Hashable, due: float) -> None:
-        self._due[key] = due
-        heapq.heappush(self._heap, (due, next(self._order), key))
-        if len(self._heap) > 2 * len(self._due) + _COMPACT_SLACK:
-            self._heap = [entry for entry in self._heap if self._due.get(entry[2]) == entry[0]]
+    def _schedule(self, key: Hashable, due: float, backoff: int) -> None:
+        entry = self._entries[key] = (due, next(self._order), key, backoff)
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 2 * len(self._entries) + _COMPACT_SLACK:
+            entries = self._entries
+            self._heap = [entry for entry in self._heap if entries.get(entry[2]) is entry]
             heapq.heapify(self._heap)

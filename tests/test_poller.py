@@ -859,7 +859,7 @@ async def test_a_signal_that_comes_before_its_fence_completes_arms_it_again(
             # A signal with the fence's token while the fence is still held,
             # as from a runtime that calls back before its status reads so.
             assert parking._mailbox is not None
-            _, slot = parking._mailbox.signal(id(fence._core))
+            _, slot = parking._mailbox.signal(fence._core.seq)
             ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.fire)(slot)
             await until(lambda: asyncfence.current_statistics().signals == signals + 1)
             await until(lambda: not parking._fired and not parking._rest_pending)
@@ -1141,8 +1141,9 @@ async def test_an_orphaned_signal_and_a_settle_elsewhere_lose_no_wake(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The sequence that once left a waiter suspended for good:
-    # 1. a parked fence's wait is abandoned and the fence collected while its
-    #    signal is still armed (the slot is orphaned);
+    # 1. a parked fence's wait is abandoned and the fence dropped while its
+    #    signal is still armed (once, its token was forgotten and its slot
+    #    orphaned; now the token holds the fence until the signal fires);
     # 2. with one other fence's signal armed, the orphan fires: the wake
     #    guesses that fence fired, finds it pending, and leaves the rest;
     # 3. before the rest runs, that fence settles by a poll that is no sweep,
@@ -1167,7 +1168,7 @@ async def test_an_orphaned_signal_and_a_settle_elsewhere_lose_no_wake(
         orphan_core = weakref.ref(orphan._core)
         del orphan
         gc.collect()
-        assert orphan_core() is None  # its token forgotten; its slot still armed in C
+        assert orphan_core() is not None  # its armed signal's token holds it
         fence, other = asyncfence.record(stream), asyncfence.record(other_stream)
         parking = current_poller()._parking
         assert isinstance(parking, _poller._Parking)
@@ -1197,6 +1198,8 @@ async def test_an_orphaned_signal_and_a_settle_elsewhere_lose_no_wake(
                 await woken.wait()
         assert interposed == ["settled and parked"]
         parking.unpark(other._core)
+        gc.collect()
+        assert orphan_core() is None  # let go once its signal fired
     finally:
         for gate in (orphan_gate, fence_gate, other_gate):
             gate.release()

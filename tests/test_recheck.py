@@ -61,3 +61,17 @@ def test_forgotten_streams_are_never_due_and_the_heap_stays_bounded() -> None:
     assert len(schedule._heap) <= 2 * len(schedule) + 64  # stale entries compacted
     schedule.forget(7)
     assert 7 not in schedule.take_due(1e9, limit=1000)
+
+
+def test_a_park_due_later_than_the_scheduled_check_keeps_it_and_starts_the_back_off_over() -> None:
+    schedule = RecheckSchedule()
+    schedule.parked("a", now=0.0, interval=1.0)
+    for now in (1.0, 3.0):  # nothing settled twice: next due at 7, four intervals on
+        assert schedule.take_due(now, limit=1) == ["a"]
+        schedule.checked("a", settled=False, now=now, interval=1.0)
+    assert schedule.next_due() == 7.0
+    assert schedule.parked("a", now=6.5, interval=1.0) is False  # due at 7 already
+    assert schedule.next_due() == 7.0
+    assert schedule.take_due(7.0, limit=1) == ["a"]
+    schedule.checked("a", settled=False, now=7.0, interval=1.0)
+    assert schedule.next_due() == 9.0  # twice the interval again, not eight times

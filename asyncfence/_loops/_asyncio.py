@@ -74,22 +74,6 @@ class _AsyncioChain:
             self.ensure(delay)
 
 
-class _FutureWaiter:
-    __slots__ = ("future",)
-
-    def __init__(self, future: asyncio.Future[bool]) -> None:
-        self.future = future
-
-    def wake(self, error: BaseException | None) -> None:
-        future = self.future
-        if future.done():  # cancelled or timed out meanwhile
-            return
-        if error is None:
-            future.set_result(True)
-        else:
-            future.set_exception(error)
-
-
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():  # a reader callback must never raise
         future.set_result(None)
@@ -98,6 +82,20 @@ def _resolve(future: asyncio.Future[None]) -> None:
 def _expire(future: asyncio.Future[bool]) -> None:
     if not future.done():
         future.set_result(False)
+
+
+class _FutureWaiter(asyncio.Future[bool]):
+    """The waiting task's future, woken by the poller: a future and no wrapper around it."""
+
+    __slots__ = ()
+
+    def wake(self, error: BaseException | None) -> None:
+        if self.done():  # cancelled or timed out meanwhile
+            return
+        if error is None:
+            self.set_result(True)
+        else:
+            self.set_exception(error)
 
 
 class AsyncioDriver:
@@ -121,7 +119,7 @@ class AsyncioDriver:
     def new_waiter(self) -> _FutureWaiter:
         loop = self._loop()
         assert loop is not None
-        return _FutureWaiter(loop.create_future())
+        return _FutureWaiter(loop=loop)
 
     async def checkpoint(self) -> None:
         await asyncio.sleep(0)
@@ -132,8 +130,8 @@ class AsyncioDriver:
         # which unregisters the waiter; a wake that comes late finds the
         # future done.
         if seconds == math.inf:
-            return waiter.future  # awaited as it is: no frame of its own
-        return self._suspend_for(waiter.future, seconds)
+            return waiter  # the future, awaited as it is: no frame of its own
+        return self._suspend_for(waiter, seconds)
 
     async def _suspend_for(self, future: asyncio.Future[bool], seconds: float) -> bool:
         loop = self._loop()

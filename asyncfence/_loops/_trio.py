@@ -95,20 +95,21 @@ class _TrioChain:
 
 
 class _TaskWaiter:
+    """A suspended task, and its own abort function: no bound method per wait."""
+
     __slots__ = ("task",)
 
     def __init__(self, task: trio.lowlevel.Task) -> None:
         self.task: trio.lowlevel.Task | None = task
 
-    def abort(self, _raise_cancel: object) -> trio.lowlevel.Abort:
+    def __call__(self, _raise_cancel: object) -> trio.lowlevel.Abort:
         """Trio's abort function: the task is cancelled, so no wake may reschedule it.
 
         The wait unregisters the waiter as it unwinds.
         """
-        import trio
-
         self.task = None
-        return trio.lowlevel.Abort.SUCCEEDED
+        abort: trio.lowlevel.Abort = _lowlevel.Abort.SUCCEEDED
+        return abort
 
     def wake(self, error: BaseException | None) -> None:
         task, self.task = self.task, None
@@ -121,7 +122,7 @@ async def _suspend_for(waiter: _TaskWaiter, seconds: float) -> bool:
     import trio
 
     with trio.move_on_after(seconds):
-        woken: bool = await trio.lowlevel.wait_task_rescheduled(waiter.abort)
+        woken: bool = await trio.lowlevel.wait_task_rescheduled(waiter)
         return woken
     return False
 
@@ -154,7 +155,7 @@ class TrioDriver:
         assert isinstance(waiter, _TaskWaiter)
         if seconds == math.inf:  # trio's own coroutine, as it is: no frame of ours
             # Awaited by the caller, at once.
-            woken: Awaitable[bool] = _lowlevel.wait_task_rescheduled(waiter.abort)
+            woken: Awaitable[bool] = _lowlevel.wait_task_rescheduled(waiter)
             return woken
         return _suspend_for(waiter, seconds)
 
