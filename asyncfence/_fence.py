@@ -202,6 +202,21 @@ class Fence:
             _settled_outcome(core, timeout)
 
     def __await__(self) -> Generator[Any, None, None]:
+        """``await fence``: :meth:`wait` with no timeout and the process-wide strategy.
+
+        On asyncio (uvloop included) a pending fence is awaited with no
+        coroutine frame of asyncfence's, the lightest wait there is; on trio,
+        and for a fence that is settled already, it is :meth:`wait`.
+
+        Cancellation: as :meth:`wait`.
+        """
+        core = self._core
+        driver = current_driver()
+        untimed_wait = driver.untimed_wait
+        if untimed_wait is not None and core.poll() == PENDING:
+            # The usual wait, with no coroutine frame where the loop allows
+            # it: memory per wait in flight (see AsyncioDriver's).
+            return untimed_wait(poller_of(driver), core, current_config().strategy)
         return self.wait().__await__()
 
     def export(self) -> FenceToken:

@@ -63,10 +63,16 @@ async def _soak(seconds: float, interval_s: float) -> tuple[list[_Interval], Pol
             strategy = rng.choice(_STRATEGIES)
             plan = rng.random()
             try:
-                if plan < 0.05:
+                # `await fence` (the default strategy, no coroutine of
+                # asyncfence's on asyncio) and `fence.wait(...)`, both.
+                if plan < 0.025:
                     await asyncio.wait_for(fence.wait(strategy=strategy), rng.uniform(0, 5e-4))
+                elif plan < 0.05:
+                    await asyncio.wait_for(fence, rng.uniform(0, 5e-4))
                 elif plan < 0.1:
                     await fence.wait(timeout=rng.uniform(0, 5e-4), strategy=strategy)
+                elif plan < 0.4:
+                    await fence
                 else:
                     await fence.wait(strategy=strategy)
                 counts["awaited"] += 1

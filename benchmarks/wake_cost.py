@@ -12,7 +12,9 @@ callback releases the gate once the task is suspended; the task resumes when
 the completion signal has woken the loop. The *barest wake* does the same
 with nothing but what a wake needs: a marker, ``clSetEventCallback`` with the
 shim's C callback (which writes an eventfd), the loop watching that fd, and a
-future set by its reader. Both pay the same gate and release.
+future set by its reader. Both pay the same gate and release. The *await*
+cycle is the park cycle written ``await fence``, with ``park`` the
+process-wide strategy.
 
 The script runs itself under ``valgrind --tool=callgrind``, collecting only
 inside one C function that runs the measured cycles (after warm-up ones), so
@@ -175,6 +177,17 @@ def _cycle_runner(kind: str, loop_name: str) -> tuple[Any, Any]:
             soon(gate.release)
             await fence.wait(strategy="park")
 
+    async def await_cycles(n: int, soon: Any) -> None:
+        for _ in range(n):
+            gate = StreamGate(queue)
+            fence = asyncfence.record(queue)
+            soon(gate.release)
+            await fence
+
+    if kind == "await":
+        asyncfence.configure(strategy="park")
+        park_cycles = await_cycles
+
     if loop_name == "trio":
         import trio
 
@@ -190,7 +203,7 @@ def _cycle_runner(kind: str, loop_name: str) -> tuple[Any, Any]:
 
         async def main(n: int) -> None:
             token = trio.lowlevel.current_trio_token()
-            cycles = park_cycles if kind == "park" else bare_cycles
+            cycles = bare_cycles if kind == "bare" else park_cycles
             await cycles(n, token.run_sync_soon)
 
         def run(n: int) -> None:
@@ -232,7 +245,7 @@ def _cycle_runner(kind: str, loop_name: str) -> tuple[Any, Any]:
             loop.remove_reader(fd)
 
     def run_asyncio(n: int) -> None:
-        cycles = park_cycles if kind == "park" else bare_cycles_asyncio
+        cycles = bare_cycles_asyncio if kind == "bare" else park_cycles
         loop.run_until_complete(cycles(n, loop.call_soon))
 
     return run_asyncio, queue
@@ -319,6 +332,9 @@ def _measure(kind: str, loop: str, cycles: int, functions: bool, helper: Path) -
 def _memory(loop_name: str, fences: int) -> dict[str, float]:
     """Traced bytes per task awaiting a parked fence, and per task awaiting a future.
 
+    A parked fence is awaited both ways: ``fence.wait(strategy="park")``, and
+    ``await fence`` with ``park`` the process-wide strategy.
+
     Tasks are the loop's own (``asyncio.create_task``, a trio nursery's), not
     anyio's, whose wrappers would count in both. The fence's record is in
     the figure; its gate, made before, is not.
@@ -331,6 +347,9 @@ def _memory(loop_name: str, fences: int) -> dict[str, float]:
 
     async def wait_parked(queue: Any) -> None:
         await asyncfence.record(queue).wait(strategy="park")
+
+    async def await_parked(queue: Any) -> None:
+        await asyncfence.record(queue)  # `await fence`, under configure(strategy="park")
 
     if loop_name == "trio":
         import trio
@@ -378,7 +397,7 @@ def _memory(loop_name: str, fences: int) -> dict[str, float]:
         def new_event() -> Any:
             return asyncio.Event()
 
-    async def parked() -> float:
+    async def parked(wait: Any = wait_parked) -> float:
         gates = [StreamGate(queue) for queue in queues]
 
         def release() -> None:
@@ -386,7 +405,7 @@ def _memory(loop_name: str, fences: int) -> dict[str, float]:
                 gate.release()
 
         return await held(
-            wait_parked, queues, lambda: asyncfence.current_statistics().parked == fences, release
+            wait, queues, lambda: asyncfence.current_statistics().parked == fences, release
         )
 
     async def plain() -> float:
@@ -401,10 +420,20 @@ def _memory(loop_name: str, fences: int) -> dict[str, float]:
 
     async def main() -> dict[str, float]:
         await parked()  # warm: first-use tables and caches
+        await parked(await_parked)
         await plain()
-        return {"parked_fence_bytes": await parked(), "plain_wait_bytes": await plain()}
+        return {
+            "parked_fence_bytes": await parked(),
+            "awaited_fence_bytes": await parked(await_parked),
+            "plain_wait_bytes": await plain(),
+        }
 
-    result: dict[str, float] = run(main)
+    previous = asyncfence.configure().strategy
+    asyncfence.configure(strategy="park")
+    try:
+        result: dict[str, float] = run(main)
+    finally:
+        asyncfence.configure(strategy=previous)
     return result
 
 
@@ -421,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     memory.add_argument("--loop", choices=("asyncio", "uvloop", "trio"), default="asyncio")
     memory.add_argument("--fences", type=int, default=2000)
     inner = commands.add_parser("_inner")
-    inner.add_argument("--kind", choices=("park", "bare"), required=True)
+    inner.add_argument("--kind", choices=("park", "await", "bare"), required=True)
     inner.add_argument("--loop", required=True)
     inner.add_argument("--cycles", type=int, required=True)
     inner.add_argument("--warmup", type=int, default=30)
@@ -437,11 +466,14 @@ def main(argv: list[str] | None = None) -> int:
         helper = _build_helper(Path(scratch))
         report = {
             "park": _measure("park", args.loop, args.cycles, args.functions, helper),
+            "await": _measure("await", args.loop, args.cycles, False, helper),
             "bare": _measure("bare", args.loop, args.cycles, False, helper),
         }
     park, bare = report["park"]["per_cycle"], report["bare"]["per_cycle"]
+    awaited = report["await"]["per_cycle"]
     print(
-        f"{args.loop}: park {park / 1e3:,.1f}k instructions per cycle, "
+        f"{args.loop}: park {park / 1e3:,.1f}k instructions per cycle "
+        f"(`await fence` {awaited / 1e3:,.1f}k), "
         f"barest wake {bare / 1e3:,.1f}k ({park / bare:.2f}x)"
     )
     routing = report["park"].get("routing_per_call", 0.0)

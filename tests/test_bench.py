@@ -934,6 +934,7 @@ def test_wake_cost_traces_more_memory_per_parked_wait_than_per_plain_one() -> No
     assert figures["loop"] == "asyncio"
     # A parked wait is a waiting task and more: its fence, its registration.
     assert 0 < figures["plain_wait_bytes"] < figures["parked_fence_bytes"]
+    assert figures["plain_wait_bytes"] < figures["awaited_fence_bytes"]
 
 
 def test_wake_cost_counts_the_instructions_of_a_parked_and_of_the_barest_wake(
@@ -950,4 +951,5 @@ def test_wake_cost_counts_the_instructions_of_a_parked_and_of_the_barest_wake(
     report = json.loads(report_path.read_text())
     park, bare = report["park"]["per_cycle"], report["bare"]["per_cycle"]
     assert 0 < bare < park  # the barest wake does less than asyncfence's
+    assert 0 < bare < report["await"]["per_cycle"]
     assert f"park {park / 1e3:,.1f}k instructions per cycle" in result.stdout

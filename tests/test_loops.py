@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -20,6 +20,8 @@ if sys.version_info < (3, 11):
     pass
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
+
     import pyopencl as cl
 
     from asyncfence.testing import OpenCLDevice
@@ -34,6 +36,31 @@ def test_a_wait_abandoned_on_a_closed_loop_unparks_when_closed(
     loop.run_until_complete(until(lambda: asyncfence.current_statistics().parked == 1))
     loop.close()  # the task is still waiting
     task.get_coro().close()  # what its destruction does: runs its finally
+    driver = _asyncio.driver_of(loop, create=False)
+    assert driver is not None
+    assert isinstance(driver.poller, Poller)
+    stats = driver.poller.statistics()
+    assert (stats.parked, stats.waiters) == (0, 0)
+
+
+def test_an_await_abandoned_on_a_closed_loop_unparks_when_closed(
+    queue: cl.CommandQueue, gate: StreamGate
+) -> None:
+    fence = asyncfence.record(queue)
+
+    async def wait() -> None:
+        await fence
+
+    loop = asyncio.new_event_loop()
+    previous = asyncfence.configure().strategy
+    asyncfence.configure(strategy="park")
+    try:
+        task = loop.create_task(wait())
+        loop.run_until_complete(until(lambda: asyncfence.current_statistics().parked == 1))
+    finally:
+        asyncfence.configure(strategy=previous)
+    loop.close()
+    task.get_coro().close()  # closes the await within it, as collecting the task does
     driver = _asyncio.driver_of(loop, create=False)
     assert driver is not None
     assert isinstance(driver.poller, Poller)
@@ -125,3 +152,128 @@ def test_a_closed_loop_leaves_the_waits_of_other_loops_working(
 
         asyncio.run(main())
     assert survivor.done()
+
+
+# -- `await fence` on asyncio: no coroutine frame of asyncfence's ------------------
+
+
+def _run_on(loop_name: str, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    if loop_name == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(asyncio.wait_for(main(), HANG_GUARD_S))
+    finally:
+        loop.close()
+
+
+def _waiters() -> int:
+    return asyncfence.current_statistics().waiters
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_an_await_closed_while_suspended_unregisters_its_waiter(
+    queue: cl.CommandQueue, gate: StreamGate, loop_name: str
+) -> None:
+    fence = asyncfence.record(queue)
+
+    async def main() -> None:
+        async def wait() -> None:
+            await fence
+
+        suspended = wait()
+        yielded = suspended.send(None)  # as a task's first step: suspends on a future
+        assert isinstance(yielded, asyncio.Future)
+        assert _waiters() == 1
+        suspended.close()  # what collecting a suspended task does
+        assert _waiters() == 0
+        gate.release()
+        await fence  # the fence itself is untouched
+
+    _run_on(loop_name, main)
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_an_exception_thrown_into_an_await_goes_on_and_unregisters(
+    queue: cl.CommandQueue, gate: StreamGate, loop_name: str
+) -> None:
+    fence = asyncfence.record(queue)
+
+    async def main() -> None:
+        async def wait() -> None:
+            await fence
+
+        suspended = wait()
+        suspended.send(None)
+        with pytest.raises(LookupError, match="thrown in"):
+            suspended.throw(LookupError("thrown in"))
+        assert _waiters() == 0
+        assert not fence.done()
+        gate.release()
+        await fence
+
+    _run_on(loop_name, main)
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_an_await_advanced_twice_by_hand_says_so_and_unregisters(
+    queue: cl.CommandQueue, gate: StreamGate, loop_name: str
+) -> None:
+    fence = asyncfence.record(queue)
+
+    async def main() -> None:
+        async def wait() -> None:
+            await fence
+
+        suspended = wait()
+        suspended.send(None)
+        with pytest.raises(RuntimeError, match="await wasn't used with future"):
+            suspended.send(None)  # not by a task: the future is not done
+        assert _waiters() == 0
+
+    _run_on(loop_name, main)
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_a_task_cancelled_just_before_its_await_is_cancelled_there(
+    queue: cl.CommandQueue, gate: StreamGate, loop_name: str
+) -> None:
+    fence = asyncfence.record(queue)
+    reached: list[str] = []
+
+    async def main() -> None:
+        async def cancelled_then_awaits() -> None:
+            current = asyncio.current_task()
+            assert current is not None
+            current.cancel()  # pending: delivered at the task's next suspension
+            reached.append("before")
+            await fence
+            reached.append("after")
+
+        task = asyncio.create_task(cancelled_then_awaits())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert reached == ["before"]
+        assert _waiters() == 0
+        assert not fence.done()
+
+    _run_on(loop_name, main)
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_asyncio_wait_for_on_a_fence_times_out_then_waits_again(
+    queue: cl.CommandQueue, gate: StreamGate, loop_name: str
+) -> None:
+    fence = asyncfence.record(queue)
+
+    async def main() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(fence, 0.01)  # wraps the fence in a task of its own
+        assert _waiters() == 0
+        gate.release()
+        await asyncio.wait_for(fence, HANG_GUARD_S)
+        assert fence.done()
+
+    _run_on(loop_name, main)

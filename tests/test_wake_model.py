@@ -5,7 +5,8 @@ tests' fake backend (whose signals are the native shim's, called as a runtime
 would, when a gate is released): fences recorded behind gates on a few
 streams, parked and polled waits, waits abandoned, fences collected with their
 signals still armed, gates released or failed, and fences polled outside any
-sweep (``done()``). When a step says so, the loop runs until settled, and at
+sweep (``done()``), each wait written ``await fence.wait(strategy=...)`` or
+``await fence``. When a step says so, the loop runs until settled, and at
 the end: every wait on a fence the device has passed has resumed. The
 re-check that would hide a lost wake is 30 s away. (A failed fence sends no
 signal, in PoCL as in the fake: only the re-check finds it, as tests in
@@ -99,18 +100,31 @@ class WakeProtocol(RuleBasedStateMachine):
             self.loop.call_soon(self.loop.stop)
             self.loop.run_forever()
 
-    def _wait(self, key: int, strategy: str) -> None:
+    def _wait(self, key: int, strategy: str, written_bare: bool) -> None:
         fence = self.live[key]
 
         async def wait() -> None:
             with contextlib.suppress(asyncfence.DeviceError):
-                await fence.wait(strategy=strategy)  # type: ignore[arg-type]
+                if written_bare:  # `await fence`: no coroutine frame of asyncfence's
+                    await fence
+                else:
+                    await fence.wait(strategy=strategy)  # type: ignore[arg-type]
 
         self.waits.append(_Wait(key, self.markers[key], self.loop.create_task(wait())))
-        self._turns(1)  # the task runs: it parks (or starts polling)
+        default = asyncfence.configure().strategy
+        asyncfence.configure(strategy=strategy)  # type: ignore[arg-type]
+        try:
+            self._turns(1)  # the task runs: it parks (or starts polling)
+        finally:
+            asyncfence.configure(strategy=default)
 
-    @rule(target=fences, stream=st.integers(0, _STREAMS - 1), strategy=_STRATEGIES)
-    def park(self, stream: int, strategy: str) -> int:
+    @rule(
+        target=fences,
+        stream=st.integers(0, _STREAMS - 1),
+        strategy=_STRATEGIES,
+        written_bare=st.booleans(),
+    )
+    def park(self, stream: int, strategy: str, written_bare: bool) -> int:
         if stream in self.failed_streams:  # the app opens a new one
             self.failed_streams.discard(stream)
             self.streams[stream] = self.device.new_stream()
@@ -119,7 +133,7 @@ class WakeProtocol(RuleBasedStateMachine):
         self.gates[key] = StreamGate(self.streams[stream])
         fence = self.live[key] = asyncfence.record(self.streams[stream])
         self.markers[key] = fence._core._marker
-        self._wait(key, strategy)
+        self._wait(key, strategy, written_bare)
         return key
 
     def _abandon(self, key: int) -> None:

@@ -16,14 +16,14 @@ chain step that fails is retried rather than lost.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._config import current_config
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Generator
 
-__all__ = ["Chain", "LoopDriver", "Waiter", "guarded", "retry_delay"]
+__all__ = ["Chain", "LoopDriver", "WaitRegistry", "Waiter", "guarded", "retry_delay"]
 
 _logger = logging.getLogger("asyncfence.loops")
 
@@ -33,6 +33,18 @@ class Waiter(Protocol):
 
     def wake(self, error: BaseException | None) -> None:
         """Resume the wait, raising ``error`` in it if given. Never raises."""
+        ...
+
+
+class WaitRegistry(Protocol):
+    """Where a wait registers its waiter: the loop's poller, as a driver sees it."""
+
+    def add(self, fence: Any, waiter: Any, strategy: Any) -> None:
+        """Wake ``waiter`` once ``fence`` settles. Never raises."""
+        ...
+
+    def discard(self, fence: Any, waiter: Any) -> None:
+        """Forget ``waiter``, cancelled or abandoned; a no-op once woken."""
         ...
 
 
@@ -82,6 +94,21 @@ class LoopDriver(Protocol):
         that, or after the timeout, is a no-op. The caller unregisters the
         waiter however the wait ends unwoken. Without a timeout it should
         cost no frame of its own (asyncio's is the waiter's future).
+        """
+        ...
+
+    @property
+    def untimed_wait(
+        self,
+    ) -> Callable[[WaitRegistry, object, str], Generator[Any, None, None]] | None:
+        """``untimed_wait(registry, fence, strategy)``: ``await fence`` with no coroutine frame.
+
+        For a pending fence awaited without a timeout: an iterator that
+        registers its waiter with ``registry`` when first advanced, suspends
+        the task until the waiter is woken (returning, or raising the error
+        it was woken with), and discards the waiter if the wait is cancelled
+        or closed first. ``None`` where the loop cannot suspend a task
+        without a coroutine of its own (trio): the caller's coroutine waits.
         """
         ...
 

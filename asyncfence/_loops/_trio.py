@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from ._driver import guarded, retry_delay
 
@@ -158,6 +158,8 @@ class TrioDriver:
             woken: Awaitable[bool] = _lowlevel.wait_task_rescheduled(waiter)
             return woken
         return _suspend_for(waiter, seconds)
+
+    untimed_wait: Final = None  # trio suspends a task only from a coroutine of its own
 
     # -- for the poller ----------------------------------------------------------
 
