@@ -198,6 +198,10 @@ class Fence:
         finally:
             if not woken:  # cancelled, timed out or failed: a wake unregisters its waiters
                 poller.discard(core, waiter)
+            # A failure's traceback keeps this frame: through the future
+            # holding it, a cycle would keep the caller's locals until the
+            # garbage collector runs.
+            del waiter
         if not woken:
             _settled_outcome(core, timeout)
 

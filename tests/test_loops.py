@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import threading
+import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -277,3 +280,126 @@ def test_asyncio_wait_for_on_a_fence_times_out_then_waits_again(
         assert fence.done()
 
     _run_on(loop_name, main)
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_a_cancelled_await_frees_the_awaiting_coroutines_locals_without_the_collector(
+    queue: cl.CommandQueue, gate: StreamGate, loop_name: str
+) -> None:
+    # A reference cycle through the cancellation's traceback would keep a
+    # request's buffers alive until the garbage collector happened to run.
+    class Buffer:
+        pass
+
+    fence = asyncfence.record(queue)
+    buffers: list[weakref.ref[Buffer]] = []
+
+    async def main() -> None:
+        async def handler() -> None:
+            buffer = Buffer()
+            buffers.append(weakref.ref(buffer))
+            await fence
+
+        task = asyncio.create_task(handler())
+        await until(lambda: _waiters() == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del task
+        await asyncio.sleep(0)
+
+    gc.disable()
+    try:
+        _run_on(loop_name, main)
+        assert buffers[0]() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize(
+    ("thrown", "expected"),
+    [
+        ((LookupError("one"),), LookupError("one")),
+        ((LookupError,), LookupError()),
+        ((LookupError, "legacy"), LookupError("legacy")),
+        ((LookupError, ("a", "b")), LookupError("a", "b")),
+        ((StopIteration,), RuntimeError("StopIteration was thrown into an await of a fence")),
+    ],
+    ids=["instance", "class", "class-and-value", "class-and-arguments", "stop-iteration"],
+)
+def test_throw_into_an_await_raises_what_a_coroutine_would(
+    queue: cl.CommandQueue, gate: StreamGate, thrown: tuple[Any, ...], expected: BaseException
+) -> None:
+    fence = asyncfence.record(queue)
+
+    async def main() -> None:
+        async def wait() -> None:
+            await fence
+
+        suspended = wait()
+        suspended.send(None)
+        with pytest.raises(type(expected)) as raised:
+            suspended.throw(*thrown)
+        assert raised.value.args == expected.args
+        assert _waiters() == 0
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the legacy throw() forms
+        _run_on("asyncio", main)
+
+
+def test_throw_of_what_is_no_exception_is_a_type_error(
+    queue: cl.CommandQueue, gate: StreamGate
+) -> None:
+    fence = asyncfence.record(queue)
+
+    async def main() -> None:
+        async def wait() -> None:
+            await fence
+
+        suspended = wait()
+        suspended.send(None)
+        with pytest.raises(TypeError, match="deriving from BaseException"):
+            suspended.throw(42)  # type: ignore[call-overload]
+        assert _waiters() == 0
+
+    _run_on("asyncio", main)
+
+
+@pytest.mark.parametrize(
+    "written", ["await fence", "await fence.wait()", "await fence.wait(timeout=30)"]
+)
+def test_a_failed_await_frees_the_awaiting_coroutines_locals_without_the_collector(
+    queue: cl.CommandQueue, gate: StreamGate, written: str
+) -> None:
+    class Buffer:
+        pass
+
+    fence = asyncfence.record(queue)
+    buffers: list[weakref.ref[Buffer]] = []
+
+    async def main() -> None:
+        async def handler() -> None:
+            buffer = Buffer()
+            buffers.append(weakref.ref(buffer))
+            if written == "await fence":
+                await fence
+            elif written == "await fence.wait()":
+                await fence.wait()
+            else:
+                await fence.wait(timeout=HANG_GUARD_S)
+
+        task = asyncio.create_task(handler())
+        await until(lambda: _waiters() == 1)
+        gate.fail(-5)
+        with pytest.raises(asyncfence.DeviceError):
+            await task
+        del task
+        await asyncio.sleep(0)
+
+    gc.disable()
+    try:
+        _run_on("asyncio", main)
+        assert buffers[0]() is None
+    finally:
+        gc.enable()

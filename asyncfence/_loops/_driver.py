@@ -37,7 +37,10 @@ class Waiter(Protocol):
 
 
 class WaitRegistry(Protocol):
-    """Where a wait registers its waiter: the loop's poller, as a driver sees it."""
+    """Where a wait registers its waiter: the loop's poller, as a driver sees it.
+
+    Thread-safety: the loop's thread only.
+    """
 
     def add(self, fence: Any, waiter: Any, strategy: Any) -> None:
         """Wake ``waiter`` once ``fence`` settles. Never raises."""
