@@ -23,7 +23,7 @@ if sys.version_info < (3, 11):
     pass
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine
+    from collections.abc import Awaitable, Callable, Coroutine
 
     import pyopencl as cl
 
@@ -176,6 +176,19 @@ def _waiters() -> int:
     return asyncfence.current_statistics().waiters
 
 
+def _suspended_on(fence: asyncfence.Fence) -> Coroutine[Any, Any, None]:
+    """A coroutine that awaits ``fence``, after its first step, as a task would take it."""
+
+    async def wait() -> None:
+        await fence
+
+    suspended = wait()
+    yielded = suspended.send(None)  # suspends on the waiter's future
+    assert isinstance(yielded, asyncio.Future)
+    assert _waiters() == 1
+    return suspended
+
+
 @pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
 def test_an_await_closed_while_suspended_unregisters_its_waiter(
     queue: cl.CommandQueue, gate: StreamGate, loop_name: str
@@ -183,13 +196,7 @@ def test_an_await_closed_while_suspended_unregisters_its_waiter(
     fence = asyncfence.record(queue)
 
     async def main() -> None:
-        async def wait() -> None:
-            await fence
-
-        suspended = wait()
-        yielded = suspended.send(None)  # as a task's first step: suspends on a future
-        assert isinstance(yielded, asyncio.Future)
-        assert _waiters() == 1
+        suspended = _suspended_on(fence)
         suspended.close()  # what collecting a suspended task does
         assert _waiters() == 0
         gate.release()
@@ -205,11 +212,7 @@ def test_an_exception_thrown_into_an_await_goes_on_and_unregisters(
     fence = asyncfence.record(queue)
 
     async def main() -> None:
-        async def wait() -> None:
-            await fence
-
-        suspended = wait()
-        suspended.send(None)
+        suspended = _suspended_on(fence)
         with pytest.raises(LookupError, match="thrown in"):
             suspended.throw(LookupError("thrown in"))
         assert _waiters() == 0
@@ -227,11 +230,7 @@ def test_an_await_advanced_twice_by_hand_says_so_and_unregisters(
     fence = asyncfence.record(queue)
 
     async def main() -> None:
-        async def wait() -> None:
-            await fence
-
-        suspended = wait()
-        suspended.send(None)
+        suspended = _suspended_on(fence)
         with pytest.raises(RuntimeError, match="await wasn't used with future"):
             suspended.send(None)  # not by a task: the future is not done
         assert _waiters() == 0
@@ -282,28 +281,33 @@ def test_asyncio_wait_for_on_a_fence_times_out_then_waits_again(
     _run_on(loop_name, main)
 
 
-@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
-def test_a_cancelled_await_frees_the_awaiting_coroutines_locals_without_the_collector(
-    queue: cl.CommandQueue, gate: StreamGate, loop_name: str
-) -> None:
-    # A reference cycle through the cancellation's traceback would keep a
-    # request's buffers alive until the garbage collector happened to run.
+def _frees_its_locals_at_once(
+    loop_name: str,
+    wait: Callable[[], Awaitable[None]],
+    end: Callable[[asyncio.Task[None]], object],
+    raised: type[BaseException],
+) -> bool:
+    """Whether a task's locals are freed, with the collector off, once ``end`` ended its wait.
+
+    A reference cycle through the traceback of what ended it would keep a
+    request's buffers alive until the garbage collector happened to run.
+    """
+
     class Buffer:
         pass
 
-    fence = asyncfence.record(queue)
     buffers: list[weakref.ref[Buffer]] = []
 
     async def main() -> None:
         async def handler() -> None:
             buffer = Buffer()
             buffers.append(weakref.ref(buffer))
-            await fence
+            await wait()
 
         task = asyncio.create_task(handler())
         await until(lambda: _waiters() == 1)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
+        end(task)
+        with pytest.raises(raised):
             await task
         del task
         await asyncio.sleep(0)
@@ -311,9 +315,23 @@ def test_a_cancelled_await_frees_the_awaiting_coroutines_locals_without_the_coll
     gc.disable()
     try:
         _run_on(loop_name, main)
-        assert buffers[0]() is None
+        return buffers[0]() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_a_cancelled_await_frees_the_awaiting_coroutines_locals_without_the_collector(
+    queue: cl.CommandQueue, gate: StreamGate, loop_name: str
+) -> None:
+    fence = asyncfence.record(queue)
+
+    async def wait() -> None:
+        await fence
+
+    assert _frees_its_locals_at_once(
+        loop_name, wait, lambda task: task.cancel(), asyncio.CancelledError
+    )
 
 
 @pytest.mark.parametrize(
@@ -333,11 +351,7 @@ def test_throw_into_an_await_raises_what_a_coroutine_would(
     fence = asyncfence.record(queue)
 
     async def main() -> None:
-        async def wait() -> None:
-            await fence
-
-        suspended = wait()
-        suspended.send(None)
+        suspended = _suspended_on(fence)
         with pytest.raises(type(expected)) as raised:
             suspended.throw(*thrown)
         assert raised.value.args == expected.args
@@ -354,11 +368,7 @@ def test_throw_of_what_is_no_exception_is_a_type_error(
     fence = asyncfence.record(queue)
 
     async def main() -> None:
-        async def wait() -> None:
-            await fence
-
-        suspended = wait()
-        suspended.send(None)
+        suspended = _suspended_on(fence)
         with pytest.raises(TypeError, match="deriving from BaseException"):
             suspended.throw(42)  # type: ignore[call-overload]
         assert _waiters() == 0
@@ -372,34 +382,16 @@ def test_throw_of_what_is_no_exception_is_a_type_error(
 def test_a_failed_await_frees_the_awaiting_coroutines_locals_without_the_collector(
     queue: cl.CommandQueue, gate: StreamGate, written: str
 ) -> None:
-    class Buffer:
-        pass
-
     fence = asyncfence.record(queue)
-    buffers: list[weakref.ref[Buffer]] = []
 
-    async def main() -> None:
-        async def handler() -> None:
-            buffer = Buffer()
-            buffers.append(weakref.ref(buffer))
-            if written == "await fence":
-                await fence
-            elif written == "await fence.wait()":
-                await fence.wait()
-            else:
-                await fence.wait(timeout=HANG_GUARD_S)
+    async def wait() -> None:
+        if written == "await fence":
+            await fence
+        elif written == "await fence.wait()":
+            await fence.wait()
+        else:
+            await fence.wait(timeout=HANG_GUARD_S)
 
-        task = asyncio.create_task(handler())
-        await until(lambda: _waiters() == 1)
-        gate.fail(-5)
-        with pytest.raises(asyncfence.DeviceError):
-            await task
-        del task
-        await asyncio.sleep(0)
-
-    gc.disable()
-    try:
-        _run_on("asyncio", main)
-        assert buffers[0]() is None
-    finally:
-        gc.enable()
+    assert _frees_its_locals_at_once(
+        "asyncio", wait, lambda _: gate.fail(-5), asyncfence.DeviceError
+    )
