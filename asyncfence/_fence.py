@@ -250,7 +250,7 @@ class Fence:
         """
         from ._relay import export_core
 
-        return export_core(self._core)
+        return export_core(self._core, self.wait)
 
 
 def _settled_outcome(core: FenceCore, seconds: float) -> None:

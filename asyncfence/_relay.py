@@ -38,6 +38,8 @@ from ._exceptions import DeviceError, FenceError
 from ._loops import current_driver
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from ._core import FenceCore
     from ._loops import LoopDriver
 
@@ -110,10 +112,11 @@ class FenceToken:
 
 
 class _Export(NamedTuple):
-    """An exported fence, and what keeps its interprocess handle valid (or ``None``)."""
+    """An exported fence, how to await it, and what keeps its interprocess handle valid."""
 
     core: FenceCore
-    kept: object
+    settled: Callable[[], Awaitable[None]]  # Fence.wait: returns once done, raises if failed
+    kept: object  # or None
 
 
 class _Relay:
@@ -138,11 +141,11 @@ class _Relay:
             raise RuntimeError("cannot export a fence: the event loop is shutting down")
         _live_relays.add(self)
 
-    def export(self, core: FenceCore) -> FenceToken:
+    def export(self, core: FenceCore, settled: Callable[[], Awaitable[None]]) -> FenceToken:
         secret = secrets.token_bytes(SECRET_BYTES)
         exported = core.export_marker()  # DeviceError: the fence cannot be exported
         handle, kept = (None, None) if exported is None else exported
-        self._exports[secret] = _Export(core, kept)
+        self._exports[secret] = _Export(core, settled, kept)
         return FenceToken(self.address, secret, os.getpid(), core.backend.name, handle)
 
     def _release_export(self, export: _Export) -> None:
@@ -246,10 +249,8 @@ class _Relay:
         if export.kept is not None:
             with contextlib.suppress(OSError):  # the importer went away
                 connection.send(frame(ANSWER_ACCEPTED))
-        from ._fence import Fence
-
         try:
-            await Fence._of(export.core).wait()
+            await export.settled()
         except DeviceError as error:
             return (
                 ANSWER_FAILED
@@ -303,8 +304,12 @@ def _close_relays_in_child() -> None:
 os.register_at_fork(after_in_child=_close_relays_in_child)
 
 
-def export_core(core: FenceCore) -> FenceToken:
-    """Export ``core`` on the running loop's relay (see :meth:`asyncfence.Fence.export`)."""
+def export_core(core: FenceCore, settled: Callable[[], Awaitable[None]]) -> FenceToken:
+    """Export ``core`` on the running loop's relay (see :meth:`asyncfence.Fence.export`).
+
+    ``settled`` waits for it on this loop (its fence's ``wait``): the relay
+    awaits it to answer the importer, and needs nothing else of the fence.
+    """
     if not sys.platform.startswith("linux"):
         raise NotImplementedError(
             "exporting a fence needs Linux: its relay is a Unix socket in Linux's abstract "
@@ -320,4 +325,4 @@ def export_core(core: FenceCore) -> FenceToken:
     relay = driver.relay
     if not isinstance(relay, _Relay):
         relay = driver.relay = _Relay(driver)
-    return relay.export(core)
+    return relay.export(core, settled)
