@@ -37,7 +37,7 @@ so that :func:`backend_for` can remember the answer per type.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from . import _fork
 from ._exceptions import FenceError
@@ -47,13 +47,13 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
 
     from ._devices import Device
+    from ._native import NativeMailbox
 
 __all__ = [
     "Backend",
     "BackendStatistics",
     "GateParts",
     "Lab",
-    "NativeSignal",
     "QueueInfo",
     "backend_for",
     "backend_named",
@@ -111,33 +111,6 @@ class BackendStatistics:
     held_markers: int = 0
     side_streams: int = 0
     signal_path: str | None = None
-
-
-class NativeSignal(NamedTuple):
-    """A native function for the device runtime to call once a marker completes.
-
-    It runs no Python: the runtime calls it on its own thread (a CUDA host
-    function, an OpenCL event callback), and it only tells the waiting side
-    that something completed. The runtime calls it exactly once per
-    :meth:`Backend.arm` that returned True, or never (after a fault): a
-    second call would use a slot already freed. It may come before the
-    marker has completed (PoCL calls back for a failed event as complete);
-    the waiting side always queries the marker.
-
-    Attributes:
-        host_function: Address of a ``void f(void *argument)``: what CUDA
-            calls as a host function.
-        event_callback: Address of a ``void f(void *event, int32_t status,
-            void *argument)``: what OpenCL calls as an event callback; 0
-            where there is none.
-        argument: The pointer passed to either.
-
-    A named tuple, not a dataclass: one is made per parked wait.
-    """
-
-    host_function: int
-    event_callback: int
-    argument: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,20 +222,29 @@ class Backend(Protocol[MarkerT]):
         """
         ...
 
-    def arm(self, marker: MarkerT, queue: QueueInfo, signal: NativeSignal) -> bool:
-        """Have the runtime call ``signal`` once the device passes ``marker``.
+    def arm(self, marker: MarkerT, queue: QueueInfo, mailbox: NativeMailbox, token: int) -> bool:
+        """Have the runtime post ``token`` to ``mailbox`` once the device passes ``marker``.
 
-        Never blocks and never calls back into Python. The runtime calls the
-        signal exactly once, or never: a runtime may never call it for work
-        that failed (the waiting side re-checks periodically). If the marker
-        has already completed, it may call it at once, on the calling thread.
+        The runtime calls one of the shim's native functions, which runs no
+        Python: an OpenCL event callback (armed with
+        :meth:`~asyncfence._native.NativeMailbox.arm_event_callback`), or a CUDA
+        host function (:attr:`~asyncfence._native.NativeMailbox.host_function`
+        with a slot from :meth:`~asyncfence._native.NativeMailbox.new_slot`,
+        discarded unless the launch succeeded). Never blocks and never calls
+        back into Python. The runtime calls it exactly once, or never: a
+        runtime may never call it for work that failed (the waiting side
+        re-checks periodically). It may come before the marker has completed
+        (PoCL calls back for a failed event as complete), so the waiting side
+        always queries the marker. If the marker has already completed, it
+        may come at once, on the calling thread.
 
         Returns:
-            False if the runtime offers no way to call ``signal`` (the caller
-            then polls the marker).
+            False if the runtime offers no way to signal (the caller then
+            polls the marker).
 
         Raises:
             DeviceError: The runtime refused the request.
+            MemoryError: The shim could not allocate the signal.
         """
         ...
 

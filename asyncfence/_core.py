@@ -20,7 +20,8 @@ from ._exceptions import DeviceError, FenceError
 from ._validation import type_name
 
 if TYPE_CHECKING:
-    from ._backend import Backend, NativeSignal, QueueInfo
+    from ._backend import Backend, QueueInfo
+    from ._native import NativeMailbox
 
 __all__ = ["DONE", "FAILED", "PENDING", "ArmResult", "FenceCore", "import_core", "record_core"]
 
@@ -206,11 +207,12 @@ class FenceCore:
         """For a settled fence: ``None`` if done, else a fresh copy of its failure."""
         return self.failure() if self.state == FAILED else None
 
-    def arm(self, signal: NativeSignal) -> ArmResult:
-        """Have the runtime call ``signal`` once the device passes this fence.
+    def arm(self, mailbox: NativeMailbox, token: int) -> ArmResult:
+        """Have the runtime post ``token`` to ``mailbox`` once the device passes this fence.
 
         Raises:
             DeviceError: The runtime refused (a faulted CUDA context, say).
+            MemoryError: The shim could not allocate the signal.
         """
         # _pin() and _unpin(), written out: this runs on every park.
         with _settle_lock:
@@ -219,7 +221,7 @@ class FenceCore:
                 return "settled"
             self._pins += 1
         try:
-            armed = self.backend.arm(marker, self.queue, signal)
+            armed = self.backend.arm(marker, self.queue, mailbox, token)
         finally:
             with _settle_lock:
                 self._pins -= 1

@@ -202,7 +202,9 @@ class Fence:
             # holding it, a cycle would keep the caller's locals until the
             # garbage collector runs.
             del waiter
-        if not woken:
+        if woken is not True:
+            if woken is not False:  # neither woken nor timed out: resumed by a StopIteration
+                raise RuntimeError("StopIteration was thrown into an await of a fence")
             _settled_outcome(core, timeout)
 
     def __await__(self) -> Generator[Any, None, None]:

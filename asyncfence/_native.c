@@ -17,6 +17,11 @@
  * (af_mailbox_take_undrained) and drain on its next call: the fd stays
  * readable until then.
  *
+ * The calls the loop makes on its wake path take the mailbox as their one
+ * argument, and pass the rest through arrays inside it that Python reads and
+ * writes in place: ctypes spends about a thousand instructions on each
+ * argument of a call, more than the call itself.
+ *
  * Lifetimes: C owns every slot and mailbox. A mailbox counts one reference
  * for its loop and one per slot armed and not yet taken, and closes its fd
  * only once the count is zero, so a late signal never writes into a file that
@@ -39,6 +44,17 @@
 
 #define AF_API __attribute__((visibility("default")))
 
+/* Tokens handed over per take: the size of a mailbox's token array. */
+#define AF_TAKE_BATCH 256
+/* af_opencl_arm's answers besides OpenCL's own codes (0, or negative). */
+#define AF_ARM_NO_MEMORY 1
+#define AF_ARM_NO_ENTRY 2
+#define AF_CL_COMPLETE 0
+
+typedef void (*af_opencl_notify)(void *event, int32_t status, void *argument);
+typedef int32_t (*af_set_event_callback)(void *event, int32_t type, af_opencl_notify notify,
+                                          void *argument);
+
 typedef struct af_mailbox af_mailbox;
 
 typedef struct af_slot {
@@ -52,6 +68,8 @@ struct af_mailbox {
     atomic_long refs;
     atomic_int closed; /* the loop let go: fired slots are freed, not delivered */
     af_slot *taken; /* the loop's: fired slots not yet handed to Python */
+    uint64_t arguments[2]; /* af_opencl_arm's: the event, then the token */
+    uint64_t tokens[AF_TAKE_BATCH]; /* what the takes hand over */
     int read_fd;
     int write_fd; /* the same fd for an eventfd */
     pid_t owner;
@@ -59,6 +77,8 @@ struct af_mailbox {
 
 static atomic_long live_slots;
 static atomic_long live_mailboxes;
+/* clSetEventCallback of the OpenCL library in use, once Python has found it. */
+static _Atomic(af_set_event_callback) set_event_callback;
 
 static void close_fds(af_mailbox *mailbox) {
     close(mailbox->read_fd);
@@ -162,11 +182,12 @@ static size_t hand_over(af_mailbox *mailbox, uint64_t *tokens, size_t capacity) 
 }
 
 /*
- * Take up to `capacity` fired tokens. Drains the fd first, then the list.
- * Returns how many were written to `tokens`; fewer than `capacity` means none
- * are left. Only the mailbox's loop calls it.
+ * Take up to AF_TAKE_BATCH fired tokens into the mailbox's token array
+ * (af_mailbox_tokens). Drains the fd first, then the list. Returns how many it
+ * took; fewer than AF_TAKE_BATCH means none are left. Only the mailbox's loop
+ * calls it.
  */
-AF_API size_t af_mailbox_take(af_mailbox *mailbox, uint64_t *tokens, size_t capacity) {
+AF_API size_t af_mailbox_take(af_mailbox *mailbox) {
     if (!mailbox->taken) {
 #ifdef __linux__
         uint64_t count; /* one read resets an eventfd's counter */
@@ -180,7 +201,7 @@ AF_API size_t af_mailbox_take(af_mailbox *mailbox, uint64_t *tokens, size_t capa
 #endif
         mailbox->taken = atomic_exchange(&mailbox->fired, NULL);
     }
-    return hand_over(mailbox, tokens, capacity);
+    return hand_over(mailbox, mailbox->tokens, AF_TAKE_BATCH);
 }
 
 /*
@@ -189,10 +210,22 @@ AF_API size_t af_mailbox_take(af_mailbox *mailbox, uint64_t *tokens, size_t capa
  * signal after the last take wrote it, and only af_mailbox_take reads it), so
  * the loop calls back, and that call, af_mailbox_take, drains it.
  */
-AF_API size_t af_mailbox_take_undrained(af_mailbox *mailbox, uint64_t *tokens, size_t capacity) {
+AF_API size_t af_mailbox_take_undrained(af_mailbox *mailbox) {
     if (!mailbox->taken) mailbox->taken = atomic_exchange(&mailbox->fired, NULL);
-    return hand_over(mailbox, tokens, capacity);
+    return hand_over(mailbox, mailbox->tokens, AF_TAKE_BATCH);
 }
+
+/* Where the takes put the tokens: AF_TAKE_BATCH of them, read in place. */
+AF_API uint64_t *af_mailbox_tokens(af_mailbox *mailbox) { return mailbox->tokens; }
+
+/* Where af_opencl_arm finds its event and token, written in place before each call. */
+AF_API uint64_t *af_mailbox_arguments(af_mailbox *mailbox) { return mailbox->arguments; }
+
+/* The version of this interface, which Python checks before using the library. */
+AF_API int af_abi_version(void) { return 2; }
+
+/* The AF_TAKE_BATCH this library was built with. */
+AF_API size_t af_take_batch(void) { return AF_TAKE_BATCH; }
 
 /* A slot to arm for `token`: its signal will post it to `mailbox`. NULL if out of memory. */
 AF_API af_slot *af_slot_new(af_mailbox *mailbox, uint64_t token) {
@@ -244,6 +277,30 @@ AF_API void af_opencl_callback(void *event, int32_t status, void *argument) {
     (void)event;
     (void)status;
     af_fire(argument);
+}
+
+/* Tell the shim the OpenCL library's clSetEventCallback, for af_opencl_arm. */
+AF_API void af_set_opencl_entry(af_set_event_callback entry) {
+    atomic_store(&set_event_callback, entry);
+}
+
+/*
+ * Arm an OpenCL event's signal: a slot for the token, registered with
+ * clSetEventCallback for CL_COMPLETE, in one call from the loop (the event
+ * and the token are in af_mailbox_arguments). Returns 0 once armed, OpenCL's
+ * code if it refused, AF_ARM_NO_MEMORY or AF_ARM_NO_ENTRY (no
+ * af_set_opencl_entry yet); unless armed, the slot is freed. The runtime may
+ * call the callback inside this call, on this thread: it runs no Python.
+ */
+AF_API int32_t af_opencl_arm(af_mailbox *mailbox) {
+    af_set_event_callback entry = atomic_load(&set_event_callback);
+    if (!entry) return AF_ARM_NO_ENTRY;
+    af_slot *slot = af_slot_new(mailbox, mailbox->arguments[1]);
+    if (!slot) return AF_ARM_NO_MEMORY;
+    int32_t code = entry((void *)(uintptr_t)mailbox->arguments[0], AF_CL_COMPLETE,
+                         af_opencl_callback, slot);
+    if (code != 0) af_slot_discard(slot);
+    return code;
 }
 
 /* For tests and statistics: slots allocated and not freed; mailboxes alive. */

@@ -12,7 +12,6 @@ Thread-safety: :func:`shim` may be called from any thread; a
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 import sys
@@ -20,10 +19,9 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from . import _fork
-from ._backend import NativeSignal
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -48,12 +46,11 @@ HOW_TO_BUILD: Final = (
     "install a C compiler (gcc or clang) and reinstall asyncfence; without the shim, "
     "parked waits are re-checked on the loop, up to every poll_cap"
 )
-# A NativeSignal from a (host_function, event_callback, argument) tuple.
-_new_signal: Callable[[tuple[int, int, int]], NativeSignal] = functools.partial(
-    tuple.__new__, NativeSignal
-)
-# Fired signals taken from a mailbox per call into the shim.
-_TAKE_BATCH = 256
+# The shim's interface, as af_abi_version() numbers it: a library of another
+# version (left by an older install) is not used.
+_ABI_VERSION = 2
+# af_opencl_arm's answers besides OpenCL's own codes (0, or negative).
+_ARM_NO_ENTRY = 2  # (1: no memory)
 
 _logger = logging.getLogger("asyncfence.native")
 
@@ -67,19 +64,30 @@ class Shim:
         path: Where it was loaded from.
         fire: Address of ``af_fire``, a ``void f(void *)``: a CUDA host function.
         opencl_callback: Address of ``af_opencl_callback``, an OpenCL event callback.
-        take: ``af_mailbox_take``, called with the GIL held and ctypes
-            arguments only (see :func:`_gil_holding`).
+        take: ``af_mailbox_take``, called with the GIL held and a ``c_void_p``
+            only (see :func:`_gil_holding`).
         take_undrained: ``af_mailbox_take_undrained``, called the same way.
+        opencl_arm: ``af_opencl_arm``, called the same way.
         slot_new: ``af_slot_new``, called with the GIL held (it only allocates).
+        take_batch: Tokens a take hands over at most.
     """
 
     library: ctypes.CDLL
     path: str
     fire: int
     opencl_callback: int
-    take: Callable[..., int]
-    take_undrained: Callable[..., int]
+    take: Callable[[ctypes.c_void_p], int]
+    take_undrained: Callable[[ctypes.c_void_p], int]
+    opencl_arm: Callable[[ctypes.c_void_p], int]
     slot_new: Callable[[int, int], int | None]
+    take_batch: int
+
+    def set_opencl_entry(self, address: int) -> None:
+        """Tell the shim the OpenCL library's ``clSetEventCallback``.
+
+        :meth:`NativeMailbox.arm_event_callback` calls it; set once per process.
+        """
+        self.library.af_set_opencl_entry(address)
 
     def live_slots(self) -> int:
         """Signals armed (or fired) whose slots are not yet freed, process-wide."""
@@ -105,10 +113,16 @@ def _typed(library: ctypes.CDLL) -> None:
     library.af_mailbox_fd.argtypes = [void_p]
     library.af_mailbox_close.restype = None
     library.af_mailbox_close.argtypes = [void_p]
-    library.af_mailbox_take.restype = size_t
-    library.af_mailbox_take.argtypes = [void_p, ctypes.POINTER(u64), size_t]
-    library.af_mailbox_take_undrained.restype = size_t
-    library.af_mailbox_take_undrained.argtypes = [void_p, ctypes.POINTER(u64), size_t]
+    library.af_abi_version.restype = ctypes.c_int
+    library.af_abi_version.argtypes = []
+    library.af_take_batch.restype = size_t
+    library.af_take_batch.argtypes = []
+    library.af_mailbox_tokens.restype = void_p
+    library.af_mailbox_tokens.argtypes = [void_p]
+    library.af_mailbox_arguments.restype = void_p
+    library.af_mailbox_arguments.argtypes = [void_p]
+    library.af_set_opencl_entry.restype = None
+    library.af_set_opencl_entry.argtypes = [void_p]
     library.af_slot_new.restype = void_p
     library.af_slot_new.argtypes = [void_p, u64]
     library.af_slot_discard.restype = None
@@ -119,17 +133,17 @@ def _typed(library: ctypes.CDLL) -> None:
     library.af_live_mailboxes.argtypes = []
 
 
-def _gil_holding(library: ctypes.CDLL, name: str) -> Callable[..., int]:
-    """The take ``name`` as a foreign function that keeps the GIL across the call.
+def _gil_holding(library: ctypes.CDLL, name: str, restype: Any) -> Callable[..., int]:
+    """``name``, a function of one mailbox, as a foreign function that keeps the GIL.
 
-    ctypes releases the GIL around every call of a ``CDLL``'s functions. This
-    one never blocks (its fd is non-blocking) and runs on the wake path, where
-    releasing the GIL would let any other Python thread take it and hold the
-    woken loop back for up to a switch interval (5 ms). It declares no
-    argument types, so that a call converts nothing: pass ctypes objects only
-    (a ``c_void_p``, a ``c_uint64`` array, a ``c_size_t``), never plain ints.
+    ctypes releases the GIL around every call of a ``CDLL``'s functions. These
+    never block (the fd is non-blocking; ``clSetEventCallback`` only
+    registers) and run on the wake path, where releasing the GIL would let any
+    other Python thread take it and hold the woken loop back for up to a
+    switch interval (5 ms). It declares no argument types, so that a call
+    converts nothing: pass the mailbox as a ``c_void_p``, never a plain int.
     """
-    return ctypes.PYFUNCTYPE(ctypes.c_size_t)((name, library))
+    return ctypes.PYFUNCTYPE(restype)((name, library))
 
 
 def _load() -> tuple[Shim | None, str | None, bool]:
@@ -149,8 +163,13 @@ def _load() -> tuple[Shim | None, str | None, bool]:
             # use_errno: af_mailbox_new's failures (EMFILE, say) read as themselves.
             library = ctypes.CDLL(str(path), use_errno=True)
             _typed(library)
-            take = _gil_holding(library, "af_mailbox_take")
-            take_undrained = _gil_holding(library, "af_mailbox_take_undrained")
+            version = library.af_abi_version()
+            if version != _ABI_VERSION:
+                reason = f"the shim at {path} is of version {version}, not {_ABI_VERSION}"
+                return None, f"{reason}; reinstall asyncfence", True
+            take = _gil_holding(library, "af_mailbox_take", ctypes.c_size_t)
+            take_undrained = _gil_holding(library, "af_mailbox_take_undrained", ctypes.c_size_t)
+            opencl_arm = _gil_holding(library, "af_opencl_arm", ctypes.c_int32)
             # On every park: a malloc, never worth giving up the GIL for.
             slot_new = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64)(
                 ("af_slot_new", library)
@@ -163,7 +182,17 @@ def _load() -> tuple[Shim | None, str | None, bool]:
             ctypes.cast(f, ctypes.c_void_p).value or 0
             for f in (library.af_fire, library.af_opencl_callback)
         )
-        shim = Shim(library, str(path), fire, opencl_callback, take, take_undrained, slot_new)
+        shim = Shim(
+            library,
+            str(path),
+            fire,
+            opencl_callback,
+            take,
+            take_undrained,
+            opencl_arm,
+            slot_new,
+            library.af_take_batch(),
+        )
         return shim, None, True
     return None, "the shim was not built (no C compiler at install)", True
 
@@ -200,6 +229,11 @@ def unavailable_for_good() -> bool:
 class NativeMailbox:
     """A loop's mailbox in the shim: a fd its selector watches, and the signals that fired.
 
+    A signal is a slot in the shim that posts a token here once the device
+    runtime calls it: an OpenCL event callback, armed in one call
+    (:meth:`arm_event_callback`), or a CUDA host function whose argument is a
+    slot made by :meth:`new_slot`.
+
     Thread-safety: the shim's signals may fire on any thread; every method
     here belongs to the loop's thread.
 
@@ -213,22 +247,25 @@ class NativeMailbox:
         self._library = native.library
         self._take = native.take
         self._take_undrained = native.take_undrained
+        self._opencl_arm = native.opencl_arm
         self._slot_new = native.slot_new
-        self._fire = native.fire
-        self._opencl_callback = native.opencl_callback
+        #: Address of the CUDA host function that fires a slot (``af_fire``).
+        self.host_function = native.fire
         self._generation = _fork.fork_count
         handle = self._library.af_mailbox_new()
         if not handle:
             code = ctypes.get_errno()
             raise OSError(code, f"cannot create the native mailbox: {os.strerror(code)}")
         self._handle: int = handle
-        self._tokens = (ctypes.c_uint64 * _TAKE_BATCH)()
-        # Built once: the call on the wake path converts nothing.
-        self._take_arguments = (
-            ctypes.c_void_p(handle),
-            self._tokens,
-            ctypes.c_size_t(_TAKE_BATCH),
+        # Made once: every call on the wake path passes it and converts nothing.
+        self._handle_argument = ctypes.c_void_p(handle)
+        # The arrays inside the mailbox that the calls read and write, in place.
+        self._batch = native.take_batch
+        self._tokens = (ctypes.c_uint64 * self._batch).from_address(
+            self._library.af_mailbox_tokens(handle)
         )
+        arguments = (ctypes.c_uint64 * 2).from_address(self._library.af_mailbox_arguments(handle))
+        self._arguments = memoryview(arguments).cast("B").cast("Q")
         # Closed with its poller: the shim keeps the fd open while any
         # signal can still fire, so a late write never lands elsewhere. Never
         # at interpreter exit, from the main thread, while its loop may still
@@ -240,8 +277,38 @@ class NativeMailbox:
         """The fd that turns readable when a signal fired."""
         return int(self._library.af_mailbox_fd(self._handle))
 
-    def signal(self, token: int) -> tuple[NativeSignal, int]:
-        """A signal that posts ``token`` here, and its slot (to discard if unused).
+    def arm_event_callback(self, event: int, token: int) -> int:
+        """Have OpenCL post ``token`` here once ``event`` completes: a slot, registered.
+
+        One call into the shim, which makes the slot and registers it (the
+        runtime may call it at once, on this thread: it runs no Python).
+
+        Args:
+            event: The ``cl_event``'s address.
+            token: What the signal posts.
+
+        Returns:
+            0 once armed, else OpenCL's error code (the slot freed).
+
+        Raises:
+            MemoryError: The shim could not allocate the slot.
+            RuntimeError: No :meth:`Shim.set_opencl_entry` was made.
+        """
+        arguments = self._arguments
+        arguments[0] = event
+        arguments[1] = token
+        code = self._opencl_arm(self._handle_argument)
+        if code > 0:  # the shim's own answers
+            if code == _ARM_NO_ENTRY:
+                raise RuntimeError("the shim was not told the OpenCL library's clSetEventCallback")
+            raise MemoryError("the native shim could not allocate a signal slot")
+        return code
+
+    def new_slot(self, token: int) -> int:
+        """A slot that posts ``token`` here once fired: a CUDA host function's argument.
+
+        Fire it once (:attr:`host_function`), or :meth:`discard` it if the
+        runtime refused it.
 
         Raises:
             MemoryError: The shim could not allocate the slot.
@@ -249,8 +316,7 @@ class NativeMailbox:
         slot = self._slot_new(self._handle, token)
         if not slot:
             raise MemoryError("the native shim could not allocate a signal slot")
-        # tuple.__new__: a named tuple's own __new__ is Python, a frame per park.
-        return _new_signal((self._fire, self._opencl_callback, slot)), slot
+        return slot
 
     def discard(self, slot: int) -> None:
         """Free a slot whose signal was never armed."""
@@ -268,13 +334,13 @@ class NativeMailbox:
         """
         return self._take_with(self._take_undrained)
 
-    def _take_with(self, take: Callable[..., int]) -> list[int]:
+    def _take_with(self, take: Callable[[ctypes.c_void_p], int]) -> list[int]:
         if self._generation != _fork.fork_count:
             return []  # a forked child: the parent's mailbox is not ours
-        count = take(*self._take_arguments)
+        count = take(self._handle_argument)
         taken: list[int] = self._tokens[:count]
-        while count == _TAKE_BATCH:
-            count = take(*self._take_arguments)
+        while count == self._batch:
+            count = take(self._handle_argument)
             taken += self._tokens[:count]
         return taken
 

@@ -66,7 +66,7 @@ FUNCTIONS = (
     "asyncfence._poller:_Parking.park",
     "asyncfence._poller:_Parking._arm",
     "asyncfence._poller:_Parking._arm_one",
-    "asyncfence._native:NativeMailbox.signal",
+    "asyncfence._native:NativeMailbox.arm_event_callback",
     "asyncfence._core:FenceCore.arm",
     "asyncfence._backends.opencl._runtime:OpenCLBackend.arm",
     "asyncfence._poller:_Parking._on_readable",
@@ -194,12 +194,12 @@ def _cycle_runner(kind: str, loop_name: str) -> tuple[Any, Any]:
         async def bare_cycles(n: int, soon: Any) -> None:
             mailbox = library.af_mailbox_new()
             fd = library.af_mailbox_fd(mailbox)
-            tokens = (ctypes.c_uint64 * 16)()
+            argument = ctypes.c_void_p(mailbox)
             for _ in range(n):
                 gate = bare_arm(mailbox)
                 soon(gate.release)
                 await trio.lowlevel.wait_readable(fd)
-                native.take(ctypes.c_void_p(mailbox), tokens, ctypes.c_size_t(16))
+                native.take(argument)
 
         async def main(n: int) -> None:
             token = trio.lowlevel.current_trio_token()
@@ -224,12 +224,11 @@ def _cycle_runner(kind: str, loop_name: str) -> tuple[Any, Any]:
     async def bare_cycles_asyncio(n: int, soon: Any) -> None:
         mailbox = library.af_mailbox_new()
         fd = library.af_mailbox_fd(mailbox)
-        tokens = (ctypes.c_uint64 * 16)()
-        arguments = (ctypes.c_void_p(mailbox), tokens, ctypes.c_size_t(16))
+        argument = ctypes.c_void_p(mailbox)
         waiting: list[asyncio.Future[None]] = []
 
         def on_readable() -> None:
-            native.take(*arguments)
+            native.take(argument)
             if waiting:
                 waiting.pop().set_result(None)
 

@@ -15,15 +15,29 @@ import ctypes
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncfence import DeviceError
-from asyncfence._backend import Backend, BackendStatistics, GateParts, NativeSignal, QueueInfo
+from asyncfence._backend import Backend, BackendStatistics, GateParts, QueueInfo
 from asyncfence._devices import Device
+
+if TYPE_CHECKING:
+    from asyncfence._native import NativeMailbox
 
 __all__ = ["FakeBackend", "FakeDevice", "FakeStream"]
 
 _call_host_function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+@dataclass(frozen=True)
+class _Signal:
+    """An armed host function, as a CUDA stream would hold it: the function and its slot."""
+
+    host_function: int
+    slot: int
+
+    def fire(self) -> None:
+        _call_host_function(self.host_function)(self.slot)
 
 
 @dataclass(eq=False)
@@ -33,7 +47,7 @@ class _Op:
     kind: str  # "gate", "marker", "wait"
     done: bool = False
     failed: int = 0  # a negative code once failed
-    signals: list[NativeSignal] = field(default_factory=list)
+    signals: list[_Signal] = field(default_factory=list)
     upstream: _Op | None = None  # a "wait": the marker it waits for
 
 
@@ -81,7 +95,7 @@ class FakeDevice(Device):
 
     def advance(self) -> None:
         """Complete what can complete, on every stream, and fire the armed signals."""
-        to_fire: list[NativeSignal] = []
+        to_fire: list[_Signal] = []
         with self.lock:
             progressed = True
             while progressed:
@@ -107,7 +121,7 @@ class FakeDevice(Device):
                             to_fire.extend(op.signals)  # failures never signal, as in PoCL
                         op.signals.clear()
         for signal in to_fire:  # outside the lock, as a runtime's callback thread would
-            _call_host_function(signal.host_function)(signal.argument)
+            signal.fire()
 
 
 def _enqueue(stream: FakeStream, op: _Op) -> _Op:
@@ -184,14 +198,15 @@ class FakeBackend(Backend[_Op]):
         _enqueue(stream, _Op("wait", upstream=marker))
         stream.device.advance()
 
-    def arm(self, marker: _Op, queue: QueueInfo, signal: NativeSignal) -> bool:
+    def arm(self, marker: _Op, queue: QueueInfo, mailbox: NativeMailbox, token: int) -> bool:
         next(self._armed)
+        signal = _Signal(mailbox.host_function, mailbox.new_slot(token))
         with self._lab.device.lock:
             pending = not marker.done and not marker.failed
             if pending:
                 marker.signals.append(signal)
         if not pending and not marker.failed:  # done already: called at once, as PoCL does
-            _call_host_function(signal.host_function)(signal.argument)
+            signal.fire()
         return True
 
     def statistics(self) -> BackendStatistics:

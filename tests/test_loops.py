@@ -362,6 +362,26 @@ def test_throw_into_an_await_raises_what_a_coroutine_would(
         _run_on("asyncio", main)
 
 
+@pytest.mark.parametrize("timeout", [None, HANG_GUARD_S])
+def test_a_stop_iteration_thrown_into_a_wait_is_no_timeout(
+    queue: cl.CommandQueue, gate: StreamGate, timeout: float | None
+) -> None:
+    # The future it awaits ends on the StopIteration as though it returned:
+    # neither woken nor timed out, the wait must not say it timed out.
+    fence = asyncfence.record(queue)
+
+    async def main() -> None:
+        suspended = fence.wait(timeout=timeout)
+        assert isinstance(suspended.send(None), asyncio.Future)
+        assert _waiters() == 1
+        with pytest.raises(RuntimeError, match="StopIteration was thrown into an await"):
+            suspended.throw(StopIteration())
+        assert _waiters() == 0
+        assert not fence.done()
+
+    _run_on("asyncio", main)
+
+
 def test_throw_of_what_is_no_exception_is_a_type_error(
     queue: cl.CommandQueue, gate: StreamGate
 ) -> None:

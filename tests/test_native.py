@@ -68,7 +68,7 @@ def test_the_shim_is_a_plain_shared_library(native: Shim) -> None:
 
 def test_a_fired_signal_makes_the_fd_readable_and_is_taken_once(native: Shim) -> None:
     mailbox = NativeMailbox(native)
-    _, slot = mailbox.signal(7)
+    slot = mailbox.new_slot(7)
     assert not readable(mailbox.fileno())
     fire(native, slot)
     assert readable(mailbox.fileno())
@@ -79,7 +79,7 @@ def test_a_fired_signal_makes_the_fd_readable_and_is_taken_once(native: Shim) ->
 
 def test_signals_from_many_threads_arrive_exactly_once(native: Shim) -> None:
     mailbox = NativeMailbox(native)
-    slots = [mailbox.signal(token)[1] for token in range(4000)]
+    slots = [mailbox.new_slot(token) for token in range(4000)]
     random.Random(0).shuffle(slots)
 
     def fire_all(part: list[int]) -> None:
@@ -107,8 +107,8 @@ native = shim()
 fire = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.fire)
 slots_before, mailboxes_before = native.live_slots(), native.live_mailboxes()
 mailbox = NativeMailbox(native)
-_, first = mailbox.signal(1)
-_, second = mailbox.signal(2)
+first = mailbox.new_slot(1)
+second = mailbox.new_slot(2)
 fd = mailbox.fileno()
 del mailbox  # the loop is gone; two signals are still armed
 assert native.live_mailboxes() == mailboxes_before + 1, "not kept open for its signals"
@@ -122,17 +122,19 @@ print("ok")
     _passes_in_a_fresh_process(code)
 
 
-def test_taking_the_signals_keeps_the_gil(native: Shim) -> None:
-    # The wake path's one foreign call: ctypes must call it as it calls the
+def test_the_wake_paths_calls_keep_the_gil(native: Shim) -> None:
+    # The wake path's foreign calls: ctypes must call them as it calls the
     # Python C-API, never releasing the GIL, or another Python thread takes
     # the GIL from the woken loop for a switch interval.
-    for take in (native.take, native.take_undrained):
-        flags = type(take)._flags_  # type: ignore[attr-defined]
+    for call in (native.take, native.take_undrained, native.opencl_arm):
+        flags = type(call)._flags_  # type: ignore[attr-defined]
         assert flags & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
     mailbox = NativeMailbox(native)
-    assert mailbox._take is native.take  # the calls take() and take_undrained() make
+    # The calls take(), take_undrained() and arm_event_callback() make.
+    assert mailbox._take is native.take
     assert mailbox._take_undrained is native.take_undrained
-    _, slot = mailbox.signal(11)
+    assert mailbox._opencl_arm is native.opencl_arm
+    slot = mailbox.new_slot(11)
     fire(native, slot)
     assert mailbox.take() == [11]
 
@@ -141,8 +143,8 @@ def test_an_undrained_take_leaves_the_fd_readable_until_a_take_drains_it(native:
     # The wake's first look takes the signals without a read; the loop sees
     # the fd readable again and calls back, and that take drains it.
     mailbox = NativeMailbox(native)
-    _, first = mailbox.signal(1)
-    _, second = mailbox.signal(2)
+    first = mailbox.new_slot(1)
+    second = mailbox.new_slot(2)
     fire(native, first)
     assert mailbox.take_undrained() == [1]
     assert readable(mailbox.fileno())
@@ -154,6 +156,85 @@ def test_an_undrained_take_leaves_the_fd_readable_until_a_take_drains_it(native:
     assert mailbox.take_undrained() == []
 
 
+def test_a_take_of_more_than_a_batch_hands_over_every_token(native: Shim) -> None:
+    # The shim hands over a batch per call, through the mailbox's own array.
+    mailbox = NativeMailbox(native)
+    count = 3 * native.take_batch + 5
+    for token in range(count):
+        fire(native, mailbox.new_slot(token))
+    assert sorted(mailbox.take()) == list(range(count))
+    assert mailbox.take() == []
+
+
+def test_a_shim_of_another_version_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A library left by an older install would be called with the wrong arguments.
+    from asyncfence import _native
+
+    monkeypatch.setattr(_native, "_ABI_VERSION", _native._ABI_VERSION + 1)
+    loaded, reason, for_good = _native._load()
+    if reason is not None and "version" not in reason:
+        pytest.skip(f"the shim is not in use in this run: {reason}")
+    assert loaded is None
+    assert reason is not None
+    assert "reinstall asyncfence" in reason
+    assert for_good
+
+
+_ARM_EVENT_CALLBACK = """
+import ctypes, select
+import pyopencl as cl
+from asyncfence._native import NativeMailbox, shim
+from asyncfence.testing import open_default_device
+
+native = shim()
+mailbox = NativeMailbox(native)
+before = native.live_slots()
+try:
+    mailbox.arm_event_callback(0, 1)
+except RuntimeError as error:  # nobody told the shim of clSetEventCallback yet
+    assert "clSetEventCallback" in str(error)
+else:
+    raise AssertionError("armed with no entry")
+assert native.live_slots() == before, "a slot was left"
+
+from asyncfence._backends.opencl._runtime import _set_event_callback
+_set_event_callback()  # as the OpenCL backend's first arm, or warm_up(), does
+queue = open_default_device("opencl").new_stream()
+context = queue.context
+readable = lambda: bool(select.select([mailbox.fileno()], [], [], 0)[0])
+
+gate = cl.UserEvent(context)
+marker = cl.enqueue_marker(queue, wait_for=[gate])
+queue.flush()
+assert mailbox.arm_event_callback(marker.int_ptr, 41) == 0
+assert native.live_slots() == before + 1
+assert mailbox.take() == [] and not readable()  # held by the gate
+gate.set_status(cl.command_execution_status.COMPLETE)
+marker.wait()
+assert select.select([mailbox.fileno()], [], [], 30)[0], "no signal came"
+assert mailbox.take() == [41]
+
+done = cl.enqueue_marker(queue)
+done.wait()
+assert mailbox.arm_event_callback(done.int_ptr, 42) == 0  # complete already: at once
+assert select.select([mailbox.fileno()], [], [], 30)[0], "no signal came"
+assert mailbox.take() == [42]
+assert native.live_slots() == before
+
+assert mailbox.arm_event_callback(0, 43) == -58  # CL_INVALID_EVENT: refused
+assert native.live_slots() == before, "the refused slot was not freed"
+assert mailbox.take() == [] and not readable()
+print("ok")
+"""
+
+
+def test_an_event_callback_is_armed_in_one_call_and_freed_if_refused(native: Shim) -> None:
+    # In a fresh process: the entry must not be set yet, and the slot counts
+    # are per process.
+    pytest.importorskip("pyopencl")
+    _passes_in_a_fresh_process(_ARM_EVENT_CALLBACK)
+
+
 def test_an_unused_slot_is_freed(native: Shim) -> None:
     # In a fresh process: here, a slot an earlier test left armed may fire (and
     # be freed, its loop gone) on the runtime's thread at any moment, moving
@@ -163,7 +244,7 @@ from asyncfence._native import NativeMailbox, shim
 native = shim()
 before = native.live_slots()
 mailbox = NativeMailbox(native)
-_, slot = mailbox.signal(1)
+slot = mailbox.new_slot(1)
 assert native.live_slots() == before + 1, "no slot was made"
 mailbox.discard(slot)
 assert native.live_slots() == before, "the discarded slot was not freed"
@@ -179,7 +260,7 @@ import ctypes, os, select
 from asyncfence._native import NativeMailbox, shim
 native = shim()
 mailbox = NativeMailbox(native)
-_, slot = mailbox.signal(3)
+slot = mailbox.new_slot(3)
 ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.fire)(slot)
 readable = lambda: bool(select.select([mailbox.fileno()], [], [], 0)[0])
 pid = os.fork()

@@ -732,12 +732,12 @@ async def test_a_fence_settled_elsewhere_as_it_is_armed_still_wakes_its_waiters(
     with hold(stream) as gate:
         oldest, behind = asyncfence.record(stream), asyncfence.record(stream)
 
-        def settled_first(self: FenceCore, signal: Any) -> str:
+        def settled_first(self: FenceCore, mailbox: Any, token: int) -> str:
             if self is behind._core:
                 gate.release()
                 while not behind.done():  # settled here, by "another thread"
                     pass
-            return real_arm(self, signal)
+            return real_arm(self, mailbox, token)
 
         async with anyio.create_task_group() as tg:
             oldest_scope = anyio.CancelScope()
@@ -859,7 +859,7 @@ async def test_a_signal_that_comes_before_its_fence_completes_arms_it_again(
             # A signal with the fence's token while the fence is still held,
             # as from a runtime that calls back before its status reads so.
             assert parking._mailbox is not None
-            _, slot = parking._mailbox.signal(fence._core.seq)
+            slot = parking._mailbox.new_slot(fence._core.seq)
             ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.fire)(slot)
             await until(lambda: asyncfence.current_statistics().signals == signals + 1)
             await until(lambda: not parking._fired and not parking._rest_pending)

@@ -127,9 +127,9 @@ class CudaDevice(Device):
         if self._mailbox is None:
             self._mailbox = NativeMailbox(native)
         self._mailbox.take()  # frees the slots of the signals fired so far
-        signal, slot = self._mailbox.signal(0)
+        slot = self._mailbox.new_slot(0)
         _, handle = as_cu_stream(self._drv, stream)
-        err = launcher.launch(handle, signal.host_function, signal.argument)
+        err = launcher.launch(handle, self._mailbox.host_function, slot)
         if err != self._drv.CUresult.CUDA_SUCCESS:
             self._mailbox.discard(slot)
             raise device_error(self._drv, err, f"cuLaunchHostFunc ({launcher.path}) failed")

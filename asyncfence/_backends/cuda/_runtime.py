@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
 from ... import _fork
-from ..._backend import Backend, BackendStatistics, NativeSignal, QueueInfo
+from ..._backend import Backend, BackendStatistics, QueueInfo
 from ..._exceptions import FenceError
 from . import _driver
 from ._driver import (
@@ -46,6 +46,8 @@ from ._lab import CudaLab
 if TYPE_CHECKING:
     from collections.abc import Hashable
     from types import ModuleType
+
+    from ..._native import NativeMailbox
 
 
 __all__ = ["CudaBackend"]
@@ -449,27 +451,36 @@ class CudaBackend(Backend[_CudaMarker]):
                     self._launcher = HostFunctionLauncher(drv)
         return self._launcher
 
-    def arm(self, marker: _CudaMarker, queue: QueueInfo, signal: NativeSignal) -> bool:
+    def arm(
+        self, marker: _CudaMarker, queue: QueueInfo, mailbox: NativeMailbox, token: int
+    ) -> bool:
         launcher = self.host_functions()
         if launcher.path == "none":
             return False
         drv = driver()
-        with self._side_lock:
-            # The wait and the launch queue work: they need the fence's context
-            # current, and the arming thread (the loop's) may have none.
-            pushed = push_context(drv, marker.context, "the fence's")
-            try:
-                lane = self._lane(drv, queue.key, marker.context, marker.order)
-                if lane is None:
-                    return False
-                check(drv.cuStreamWaitEvent(lane.stream, marker.event, 0), "cuStreamWaitEvent")
-                err = launcher.launch(int(lane.stream), signal.host_function, signal.argument)
-                if err == drv.CUresult.CUDA_SUCCESS:
-                    lane.last_order = marker.order
-            finally:
-                if pushed:
-                    pop_context(drv)
-        if err != drv.CUresult.CUDA_SUCCESS:
+        slot = mailbox.new_slot(token)
+        launched = False
+        try:
+            with self._side_lock:
+                # The wait and the launch queue work: they need the fence's
+                # context current, and the arming thread (the loop's) may have none.
+                pushed = push_context(drv, marker.context, "the fence's")
+                try:
+                    lane = self._lane(drv, queue.key, marker.context, marker.order)
+                    if lane is None:
+                        return False
+                    check(drv.cuStreamWaitEvent(lane.stream, marker.event, 0), "cuStreamWaitEvent")
+                    err = launcher.launch(int(lane.stream), mailbox.host_function, slot)
+                    launched = err == drv.CUresult.CUDA_SUCCESS
+                    if launched:
+                        lane.last_order = marker.order
+                finally:
+                    if pushed:
+                        pop_context(drv)
+        finally:
+            if not launched:  # the driver will never call it
+                mailbox.discard(slot)
+        if not launched:
             raise device_error(drv, err, f"cuLaunchHostFunc ({launcher.path}) failed")
         return True
 

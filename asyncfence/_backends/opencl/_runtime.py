@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ... import _fork
-from ..._backend import Backend, BackendStatistics, NativeSignal, QueueInfo
+from ..._backend import Backend, BackendStatistics, QueueInfo
 from ..._exceptions import DeviceError
+from ..._native import shim
 from ..._validation import type_name
 from ._lab import OpenCLLab
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
     import pyopencl as cl
 
+    from ..._native import NativeMailbox
 
 __all__ = ["OpenCLBackend"]
 
@@ -169,15 +171,11 @@ class OpenCLBackend(Backend["cl.Event"]):
                 "waiting queue may never run its later work",
             )
 
-    def arm(self, marker: cl.Event, queue: QueueInfo, signal: NativeSignal) -> bool:
-        if not signal.event_callback:
-            return False
-        code = (_set_event_callback_function or _set_event_callback())(
-            marker.int_ptr,
-            _CL_COMPLETE,
-            signal.event_callback,
-            signal.argument,
-        )
+    def arm(self, marker: cl.Event, queue: QueueInfo, mailbox: NativeMailbox, token: int) -> bool:
+        if _set_event_callback_function is None:
+            _set_event_callback()  # and the shim is told of it
+        # One call into the shim: the slot and clSetEventCallback.
+        code = mailbox.arm_event_callback(marker.int_ptr, token)
         if code != 0:
             raise DeviceError(self.name, code, _status_name(code), "clSetEventCallback failed")
         return True
@@ -240,7 +238,6 @@ class OpenCLBackend(Backend["cl.Event"]):
         )
 
 
-_CL_COMPLETE = 0
 # An event's CL_EVENT_COMMAND_EXECUTION_STATUS (0x11D3) through get_info
 # itself: its property runs a Python function of pyopencl's on each read.
 _execution_status: Callable[[cl.Event], int] = operator.methodcaller("get_info", 0x11D3)
@@ -332,9 +329,11 @@ def _platform_library_loaded() -> bool:
 
 
 def _set_event_callback() -> Any:
-    """``clSetEventCallback`` through ctypes, which releases the GIL around it.
+    """``clSetEventCallback`` through ctypes (which releases the GIL around it), found once.
 
-    The runtime may call the callback inside this call, on this thread (the
+    Found, it is also given to the native shim, which arms parked waits'
+    signals with it in one call (``NativeMailbox.arm_event_callback``). The
+    runtime may call the callback inside either call, on this thread (the
     event already completed): the callback runs no Python, so that is safe.
     """
     global _set_event_callback_function
@@ -342,5 +341,8 @@ def _set_event_callback() -> Any:
         function = _opencl_library().clSetEventCallback
         function.restype = ctypes.c_int32
         function.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+        native = shim()
+        if native is not None:
+            native.set_opencl_entry(ctypes.cast(function, ctypes.c_void_p).value or 0)
         _set_event_callback_function = function
     return _set_event_callback_function

@@ -25,12 +25,14 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Final, final
 
-from ..._backend import Backend, BackendStatistics, NativeSignal, QueueInfo
+from ..._backend import Backend, BackendStatistics, QueueInfo
 from ..._validation import type_name
 from ._lab import TorchCpuLab
 
 if TYPE_CHECKING:
     from collections.abc import Hashable
+
+    from ..._native import NativeMailbox
 
 __all__ = ["TorchCpuBackend"]
 
@@ -116,7 +118,7 @@ class TorchCpuBackend(Backend[_Passed]):
     def stream_wait(self, marker: _Passed, origin: QueueInfo, stream: object) -> None:
         """Nothing to do: the fence was passed when it was recorded."""
 
-    def arm(self, marker: _Passed, queue: QueueInfo, signal: NativeSignal) -> bool:
+    def arm(self, marker: _Passed, queue: QueueInfo, mailbox: NativeMailbox, token: int) -> bool:
         # Never needed (the fence settles at its first query, before any wait
         # parks it); no signal can be armed, so a caller would poll instead.
         return False
