@@ -68,7 +68,8 @@ class Shim:
             only (see :func:`_gil_holding`).
         take_undrained: ``af_mailbox_take_undrained``, called the same way.
         opencl_arm: ``af_opencl_arm``, called the same way.
-        slot_new: ``af_slot_new``, called with the GIL held (it only allocates).
+        slot_new: ``af_slot_new`` (a CUDA host function's slot), called with the GIL
+            held (it only allocates).
         take_batch: Tokens a take hands over at most.
     """
 
@@ -170,7 +171,7 @@ def _load() -> tuple[Shim | None, str | None, bool]:
             take = _gil_holding(library, "af_mailbox_take", ctypes.c_size_t)
             take_undrained = _gil_holding(library, "af_mailbox_take_undrained", ctypes.c_size_t)
             opencl_arm = _gil_holding(library, "af_opencl_arm", ctypes.c_int32)
-            # On every park: a malloc, never worth giving up the GIL for.
+            # On every CUDA park: a malloc, never worth giving up the GIL for.
             slot_new = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64)(
                 ("af_slot_new", library)
             )
