@@ -36,10 +36,9 @@ ArmResult = Literal["armed", "unsignalled", "settled"]
 # Guards state changes only, never a driver call: the one-way transition out
 # of PENDING (so that exactly one thread releases a marker), and the pins that
 # keep a marker from being released while a driver call uses it (a pooled
-# CUDA event may be recording other work once released). On the record,
-# park and wake paths it is taken with acquire() and a try whose finally
-# releases it: a with statement costs twice that (about 2,000 instructions
-# against 900 on CPython 3.11), and these run for every wait.
+# CUDA event may be recording other work once released). Always taken in a
+# with statement, never acquire() then try: a KeyboardInterrupt landing
+# between the two would leave it held, and every later wait hung.
 _settle_lock = threading.Lock()
 # Record order within a queue; a global counter is enough to order each queue.
 # Taken with the record, under the queue's lock: two threads recording on one
@@ -141,8 +140,7 @@ class FenceCore:
         return self.state
 
     def _settle(self, state: int, failure: DeviceError | None, *, keep_marker: bool) -> None:
-        _settle_lock.acquire()
-        try:
+        with _settle_lock:
             if self.state != PENDING:
                 return
             # State first, marker last: a thread reading without the lock that
@@ -152,8 +150,6 @@ class FenceCore:
             if self._pins or keep_marker:
                 return  # a driver call still uses the marker, or it is released later
             marker, self._marker = self._marker, None
-        finally:
-            _settle_lock.release()
         if state == DONE:
             self.backend.release_done(marker)
         else:
@@ -161,13 +157,10 @@ class FenceCore:
 
     def release_marker(self) -> None:
         """Release the marker of a settled fence, unless a driver call still uses it."""
-        _settle_lock.acquire()
-        try:
+        with _settle_lock:
             if self._pins or self.state == PENDING:
                 return
             marker, self._marker = self._marker, None
-        finally:
-            _settle_lock.release()
         if marker is None:
             return
         if self.state == DONE:
@@ -224,26 +217,20 @@ class FenceCore:
             MemoryError: The shim could not allocate the signal.
         """
         # _pin() and _unpin(), written out: this runs on every park.
-        _settle_lock.acquire()
-        try:
+        with _settle_lock:
             marker = self._marker
             if marker is None or self.state != PENDING:
                 return "settled"
             self._pins += 1
-        finally:
-            _settle_lock.release()
         try:
             armed = self.backend.arm(marker, self.queue, mailbox, token)
         finally:
-            _settle_lock.acquire()
-            try:
+            with _settle_lock:
                 self._pins -= 1
                 # Settled meanwhile, by another thread: the release left it to us.
                 settled_meanwhile = not self._pins and self.state != PENDING
                 if settled_meanwhile:
                     marker, self._marker = self._marker, None
-            finally:
-                _settle_lock.release()
             if settled_meanwhile and marker is not None:
                 self.backend.release(marker)
         return "armed" if armed else "unsignalled"
@@ -302,13 +289,9 @@ def record_core(stream: object) -> FenceCore:
     backend = cached_backend(type(stream)) or backend_for(stream)
     if _fork.used_by_parent:  # only ever in a forked child
         _fork.check_unused_by_parent(backend.name, backend.title)
-    lock = _record_locks[hash(backend.stream_key(stream)) % _RECORD_STRIPES]
-    lock.acquire()  # not a with statement: see _settle_lock
-    try:
+    with _record_locks[hash(backend.stream_key(stream)) % _RECORD_STRIPES]:
         marker, queue = backend.record(stream)
         seq = next(_sequence)
-    finally:
-        lock.release()
     if not backend.fork_safe and backend.name not in _fork.used:  # it does not survive fork()
         _fork.note_used(backend.name)
     return FenceCore(backend, marker, queue, seq)

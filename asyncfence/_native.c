@@ -44,6 +44,8 @@
 
 #define AF_API __attribute__((visibility("default")))
 
+/* The version of the interface below: Python refuses a library of another. */
+#define AF_ABI_VERSION 2
 /* Tokens handed over per take: the size of a mailbox's token array. */
 #define AF_TAKE_BATCH 256
 /* af_opencl_arm's answers besides OpenCL's own codes (0, or negative). */
@@ -222,7 +224,7 @@ AF_API uint64_t *af_mailbox_tokens(af_mailbox *mailbox) { return mailbox->tokens
 AF_API uint64_t *af_mailbox_arguments(af_mailbox *mailbox) { return mailbox->arguments; }
 
 /* The version of this interface, which Python checks before using the library. */
-AF_API int af_abi_version(void) { return 2; }
+AF_API int af_abi_version(void) { return AF_ABI_VERSION; }
 
 /* The AF_TAKE_BATCH this library was built with. */
 AF_API size_t af_take_batch(void) { return AF_TAKE_BATCH; }

@@ -19,7 +19,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from . import _fork
 
@@ -67,7 +67,8 @@ class Shim:
         take: ``af_mailbox_take``, called with the GIL held and a ``c_void_p``
             only (see :func:`_gil_holding`).
         take_undrained: ``af_mailbox_take_undrained``, called the same way.
-        opencl_arm: ``af_opencl_arm``, called the same way.
+        opencl_arm: ``af_opencl_arm``, called with a ``c_void_p`` only and the
+            GIL released.
         slot_new: ``af_slot_new`` (a CUDA host function's slot), called with the GIL
             held (it only allocates).
         take_batch: Tokens a take hands over at most.
@@ -134,17 +135,17 @@ def _typed(library: ctypes.CDLL) -> None:
     library.af_live_mailboxes.argtypes = []
 
 
-def _gil_holding(library: ctypes.CDLL, name: str, restype: Any) -> Callable[..., int]:
-    """``name``, a function of one mailbox, as a foreign function that keeps the GIL.
+def _gil_holding(library: ctypes.CDLL, name: str) -> Callable[[ctypes.c_void_p], int]:
+    """The take ``name``, a function of one mailbox, as a foreign function that keeps the GIL.
 
-    ctypes releases the GIL around every call of a ``CDLL``'s functions. These
-    never block (the fd is non-blocking; ``clSetEventCallback`` only
-    registers) and run on the wake path, where releasing the GIL would let any
-    other Python thread take it and hold the woken loop back for up to a
-    switch interval (5 ms). It declares no argument types, so that a call
-    converts nothing: pass the mailbox as a ``c_void_p``, never a plain int.
+    ctypes releases the GIL around every call of a ``CDLL``'s functions. The
+    takes never block (the fd is non-blocking) and run on the wake path, where
+    releasing the GIL would let any other Python thread take it and hold the
+    woken loop back for up to a switch interval (5 ms). It declares no
+    argument types, so that a call converts nothing: pass the mailbox as a
+    ``c_void_p``, never a plain int.
     """
-    return ctypes.PYFUNCTYPE(restype)((name, library))
+    return ctypes.PYFUNCTYPE(ctypes.c_size_t)((name, library))
 
 
 def _load() -> tuple[Shim | None, str | None, bool]:
@@ -168,9 +169,12 @@ def _load() -> tuple[Shim | None, str | None, bool]:
             if version != _ABI_VERSION:
                 reason = f"the shim at {path} is of version {version}, not {_ABI_VERSION}"
                 return None, f"{reason}; reinstall asyncfence", True
-            take = _gil_holding(library, "af_mailbox_take", ctypes.c_size_t)
-            take_undrained = _gil_holding(library, "af_mailbox_take_undrained", ctypes.c_size_t)
-            opencl_arm = _gil_holding(library, "af_opencl_arm", ctypes.c_int32)
+            take = _gil_holding(library, "af_mailbox_take")
+            take_undrained = _gil_holding(library, "af_mailbox_take_undrained")
+            # Called with the GIL released: clSetEventCallback takes the
+            # runtime's locks, which it may hold while it runs callbacks
+            # (another library's might need the GIL).
+            opencl_arm = ctypes.CFUNCTYPE(ctypes.c_int32)(("af_opencl_arm", library))
             # On every CUDA park: a malloc, never worth giving up the GIL for.
             slot_new = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64)(
                 ("af_slot_new", library)

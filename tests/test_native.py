@@ -122,13 +122,17 @@ print("ok")
     _passes_in_a_fresh_process(code)
 
 
-def test_the_wake_paths_calls_keep_the_gil(native: Shim) -> None:
-    # The wake path's foreign calls: ctypes must call them as it calls the
-    # Python C-API, never releasing the GIL, or another Python thread takes
-    # the GIL from the woken loop for a switch interval.
-    for call in (native.take, native.take_undrained, native.opencl_arm):
+def test_the_wake_paths_takes_keep_the_gil_and_the_arm_releases_it(native: Shim) -> None:
+    # The takes: ctypes must call them as it calls the Python C-API, never
+    # releasing the GIL, or another Python thread takes the GIL from the
+    # woken loop for a switch interval. The arm releases it: clSetEventCallback
+    # takes the runtime's locks, which a runtime may hold while it runs
+    # callbacks that need the GIL.
+    for call in (native.take, native.take_undrained):
         flags = type(call)._flags_  # type: ignore[attr-defined]
         assert flags & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
+    arm_flags = type(native.opencl_arm)._flags_  # type: ignore[attr-defined]
+    assert not arm_flags & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
     mailbox = NativeMailbox(native)
     # The calls take(), take_undrained() and arm_event_callback() make.
     assert mailbox._take is native.take
@@ -197,8 +201,8 @@ else:
     raise AssertionError("armed with no entry")
 assert native.live_slots() == before, "a slot was left"
 
-from asyncfence._backends.opencl._runtime import _set_event_callback
-_set_event_callback()  # as the OpenCL backend's first arm, or warm_up(), does
+from asyncfence._backends.opencl._runtime import _give_entry_to_shim
+_give_entry_to_shim()  # as the OpenCL backend's first arm, or warm_up(), does
 queue = open_default_device("opencl").new_stream()
 context = queue.context
 readable = lambda: bool(select.select([mailbox.fileno()], [], [], 0)[0])
@@ -233,6 +237,44 @@ def test_an_event_callback_is_armed_in_one_call_and_freed_if_refused(native: Shi
     # are per process.
     pytest.importorskip("pyopencl")
     _passes_in_a_fresh_process(_ARM_EVENT_CALLBACK)
+
+
+_ENTRY_AFTER_A_FAILED_LOAD = """
+import asyncio
+import asyncfence
+from asyncfence._backends.opencl import _runtime
+from asyncfence.testing import hold, open_default_device
+
+loaded = _runtime.shim
+_runtime.shim = lambda: None  # warm_up() while the shim could not be loaded (no fd, say)
+queue = open_default_device("opencl").new_stream()
+asyncfence.warm_up(queue)
+assert not _runtime._shim_has_entry
+_runtime.shim = loaded  # loaded since: the first arm gives it the entry
+
+
+async def main():
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        task = asyncio.ensure_future(fence.wait(strategy="park"))
+        while asyncfence.current_statistics().parked < 1:
+            await asyncio.sleep(0.001)
+        armed = asyncfence.current_statistics().armed
+        gate.release()
+        await asyncio.wait_for(task, 30)
+    return armed
+
+
+assert asyncio.run(main()) == 1, "parked unsignalled: the shim had no clSetEventCallback"
+print("ok")
+"""
+
+
+def test_the_shim_gets_its_opencl_entry_at_the_first_arm_if_warm_up_could_not_give_it(
+    native: Shim,
+) -> None:
+    pytest.importorskip("pyopencl")
+    _passes_in_a_fresh_process(_ENTRY_AFTER_A_FAILED_LOAD)
 
 
 def test_an_unused_slot_is_freed(native: Shim) -> None:

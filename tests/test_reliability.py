@@ -171,6 +171,124 @@ def test_keyboard_interrupt_during_wait_sync(backend: str, cuda_mode: str) -> No
     assert "interrupted; the fence is still pending" in result.stdout
 
 
+@pytest.mark.parametrize("launch", ["refused", "interrupted"])
+def test_a_cuda_arm_frees_its_slot_only_where_the_driver_will_never_call_it(
+    launch: str, cuda_mode: str
+) -> None:
+    # Refused: the slot is freed. Interrupted after the driver took it (a
+    # Ctrl-C as the launch returns): it is kept, since the host function will
+    # still fire it; freeing it would let that write freed memory.
+    result = run_script(
+        f"""
+        import select
+        from asyncfence import DeviceError
+        from asyncfence._native import NativeMailbox, shim
+        native = shim()
+        mailbox = NativeMailbox(native)
+        gate = StreamGate(stream)
+        core = asyncfence.record(stream)._core
+        launcher = core.backend.host_functions()
+        driver_launch = launcher.launch
+        before = native.live_slots()
+        if {launch!r} == "refused":
+            launcher.launch = lambda stream, function, argument: 1  # CUDA_ERROR_INVALID_VALUE
+            try:
+                core.arm(mailbox, 7)
+            except DeviceError as error:
+                print("refused:", error.name)
+            print("slots left:", native.live_slots() - before)
+        else:
+            def interrupted(stream, function, argument):
+                driver_launch(stream, function, argument)  # taken by the driver
+                raise KeyboardInterrupt
+            launcher.launch = interrupted
+            try:
+                core.arm(mailbox, 7)
+            except KeyboardInterrupt:
+                print("interrupted")
+            print("slots left:", native.live_slots() - before)
+        gate.release()
+        if {launch!r} == "interrupted":
+            assert select.select([mailbox.fileno()], [], [], 30)[0], "the host function never fired"
+            print("fired:", mailbox.take(), "slots left:", native.live_slots() - before)
+        """,
+        "cuda",
+        cuda_mode,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    if launch == "refused":
+        assert result.stdout.splitlines() == ["refused: CUDA_ERROR_INVALID_VALUE", "slots left: 0"]
+    else:
+        assert result.stdout.splitlines() == [
+            "interrupted",
+            "slots left: 1",
+            "fired: [7] slots left: 0",
+        ]
+
+
+_INTERRUPTED_RECORDS = """
+import random, signal, sys, time
+import asyncfence
+from asyncfence import _core
+from asyncfence.testing import open_default_device
+
+
+class Interrupt(BaseException):
+    pass
+
+
+armed = False
+
+
+def interrupt(signum, frame):
+    global armed
+    if armed:  # once per timer, wherever Python is when it fires
+        armed = False
+        raise Interrupt
+
+
+signal.signal(signal.SIGALRM, interrupt)
+queue = open_default_device("opencl").new_stream()
+rng = random.Random(1)
+interrupts = left_held = 0
+deadline = time.monotonic() + 2.0
+while time.monotonic() < deadline:
+    armed = True
+    try:
+        signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, 0.002))
+        for _ in range(2000):
+            asyncfence.record(queue).done()  # the record's stripe lock, the settle lock
+    except Interrupt:
+        interrupts += 1
+        for lock in (_core._settle_lock, *_core._record_locks):
+            if lock.locked():
+                left_held += 1
+                lock.release()
+armed = False
+signal.setitimer(signal.ITIMER_REAL, 0)
+print("interrupts", interrupts, "left held", left_held)
+"""
+
+
+def test_an_interrupt_anywhere_in_a_record_or_settle_leaves_no_lock_held() -> None:
+    # Ctrl-C (or trio's KeyboardInterrupt in task code) can land at any
+    # bytecode; a lock left held would hang every later record and wait of
+    # the process. A with statement leaves no gap between taking the lock
+    # and the block that releases it; acquire() then try: does.
+    result = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_RECORDS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    words = result.stdout.split()
+    interrupts, left_held = int(words[1]), int(words[4])
+    assert interrupts > 100, result.stdout  # enough to have landed everywhere
+    assert left_held == 0, result.stdout
+
+
 async def test_a_queue_dropped_while_its_fences_are_pending(device: Any) -> None:
     queue = device.new_stream()
     gate_holder = hold(queue)

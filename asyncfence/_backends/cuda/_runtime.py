@@ -459,7 +459,11 @@ class CudaBackend(Backend[_CudaMarker]):
             return False
         drv = driver()
         slot = mailbox.new_slot(token)
-        launched = False
+        # Whose the slot is: ours (freed here) until the launch is tried, the
+        # driver's once it accepted it. An interrupt during the launch leaves
+        # that unknown: the slot is then kept (a few bytes), never freed under
+        # a host function that may still run.
+        owner = "ours"
         try:
             with self._side_lock:
                 # The wait and the launch queue work: they need the fence's
@@ -470,17 +474,18 @@ class CudaBackend(Backend[_CudaMarker]):
                     if lane is None:
                         return False
                     check(drv.cuStreamWaitEvent(lane.stream, marker.event, 0), "cuStreamWaitEvent")
+                    owner = "unknown"
                     err = launcher.launch(int(lane.stream), mailbox.host_function, slot)
-                    launched = err == drv.CUresult.CUDA_SUCCESS
-                    if launched:
+                    owner = "driver" if err == drv.CUresult.CUDA_SUCCESS else "ours"
+                    if owner == "driver":
                         lane.last_order = marker.order
                 finally:
                     if pushed:
                         pop_context(drv)
         finally:
-            if not launched:  # the driver will never call it
+            if owner == "ours":  # the driver will never call it
                 mailbox.discard(slot)
-        if not launched:
+        if owner != "driver":
             raise device_error(drv, err, f"cuLaunchHostFunc ({launcher.path}) failed")
         return True
 

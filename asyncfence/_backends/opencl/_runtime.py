@@ -172,8 +172,8 @@ class OpenCLBackend(Backend["cl.Event"]):
             )
 
     def arm(self, marker: cl.Event, queue: QueueInfo, mailbox: NativeMailbox, token: int) -> bool:
-        if _set_event_callback_function is None:
-            _set_event_callback()  # and the shim is told of it
+        if not _shim_has_entry:
+            _give_entry_to_shim()
         # One call into the shim: the slot and clSetEventCallback.
         code = mailbox.arm_event_callback(marker.int_ptr, token)
         if code != 0:
@@ -184,7 +184,7 @@ class OpenCLBackend(Backend["cl.Event"]):
         # The first armed signal would find the OpenCL library pyopencl
         # loaded (reading /proc/self/maps, globbing its folder): on a running
         # loop, a blocking call.
-        _set_event_callback()
+        _give_entry_to_shim()
 
     def runtime_initialised(self) -> bool:
         # A platform was made once the ICD loader has loaded a vendor library
@@ -329,11 +329,9 @@ def _platform_library_loaded() -> bool:
 
 
 def _set_event_callback() -> Any:
-    """``clSetEventCallback`` through ctypes (which releases the GIL around it), found once.
+    """``clSetEventCallback`` through ctypes, which releases the GIL around it, found once.
 
-    Found, it is also given to the native shim, which arms parked waits'
-    signals with it in one call (``NativeMailbox.arm_event_callback``). The
-    runtime may call the callback inside either call, on this thread (the
+    The runtime may call the callback inside this call, on this thread (the
     event already completed): the callback runs no Python, so that is safe.
     """
     global _set_event_callback_function
@@ -341,8 +339,24 @@ def _set_event_callback() -> Any:
         function = _opencl_library().clSetEventCallback
         function.restype = ctypes.c_int32
         function.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
-        native = shim()
-        if native is not None:
-            native.set_opencl_entry(ctypes.cast(function, ctypes.c_void_p).value or 0)
         _set_event_callback_function = function
     return _set_event_callback_function
+
+
+# Whether the shim was given clSetEventCallback (_give_entry_to_shim).
+_shim_has_entry = False
+
+
+def _give_entry_to_shim() -> None:
+    """Give the native shim ``clSetEventCallback``, with which it arms parked waits' signals.
+
+    Once per process, on the first arm (or in ``warm_up``, which also finds
+    the library off the loop); where the shim is not loaded yet, the next
+    call tries again.
+    """
+    global _shim_has_entry
+    function = _set_event_callback()
+    native = shim()
+    if native is not None:
+        native.set_opencl_entry(ctypes.cast(function, ctypes.c_void_p).value or 0)
+        _shim_has_entry = True
