@@ -239,11 +239,31 @@ def test_an_event_callback_is_armed_in_one_call_and_freed_if_refused(native: Shi
     _passes_in_a_fresh_process(_ARM_EVENT_CALLBACK)
 
 
-_ENTRY_AFTER_A_FAILED_LOAD = """
+# For the fresh-process scripts: park one fence on ``stream``, read a
+# statistic of the loop while it is parked, then release it and await it.
+_PARK_ONCE = """
 import asyncio
 import asyncfence
+from asyncfence.testing import hold
+
+
+async def park_once(stream, statistic):
+    with hold(stream) as gate:
+        fence = asyncfence.record(stream)
+        task = asyncio.ensure_future(fence.wait(strategy="park"))
+        while asyncfence.current_statistics().parked < 1:
+            await asyncio.sleep(0.001)
+        seen = getattr(asyncfence.current_statistics(), statistic)
+        gate.release()
+        await asyncio.wait_for(task, 30)
+    return seen
+"""
+
+_ENTRY_AFTER_A_FAILED_LOAD = (
+    _PARK_ONCE
+    + """
 from asyncfence._backends.opencl import _runtime
-from asyncfence.testing import hold, open_default_device
+from asyncfence.testing import open_default_device
 
 loaded = _runtime.shim
 _runtime.shim = lambda: None  # warm_up() while the shim could not be loaded (no fd, say)
@@ -251,23 +271,11 @@ queue = open_default_device("opencl").new_stream()
 asyncfence.warm_up(queue)
 assert not _runtime._shim_has_entry
 _runtime.shim = loaded  # loaded since: the first arm gives it the entry
-
-
-async def main():
-    with hold(queue) as gate:
-        fence = asyncfence.record(queue)
-        task = asyncio.ensure_future(fence.wait(strategy="park"))
-        while asyncfence.current_statistics().parked < 1:
-            await asyncio.sleep(0.001)
-        armed = asyncfence.current_statistics().armed
-        gate.release()
-        await asyncio.wait_for(task, 30)
-    return armed
-
-
-assert asyncio.run(main()) == 1, "parked unsignalled: the shim had no clSetEventCallback"
+armed = asyncio.run(park_once(queue, "armed"))
+assert armed == 1, "parked unsignalled: the shim had no clSetEventCallback"
 print("ok")
 """
+)
 
 
 def test_the_shim_gets_its_opencl_entry_at_the_first_arm_if_warm_up_could_not_give_it(
@@ -327,29 +335,18 @@ print("ok")
 
 # -- out of descriptors ------------------------------------------------------------------
 
-_OUT_OF_DESCRIPTORS = """
-import asyncio, logging, os, sys
+_OUT_OF_DESCRIPTORS = (
+    _PARK_ONCE
+    + """
+import logging, os, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
-import asyncfence
 from asyncfence import _native
-from asyncfence.testing import hold, open_default_device
+from asyncfence.testing import open_default_device
 
 device = open_default_device("opencl")
 streams = [device.new_stream() for _ in range(2)]
 if sys.argv[1] == "loaded":
     assert _native.shim() is not None  # the library is in: only the eventfd fails
-
-
-async def park_once(stream):
-    with hold(stream) as gate:
-        fence = asyncfence.record(stream)
-        task = asyncio.ensure_future(fence.wait(strategy="park"))
-        while asyncfence.current_statistics().parked < 1:
-            await asyncio.sleep(0.001)
-        path = asyncfence.current_statistics().wake_path
-        gate.release()
-        await asyncio.wait_for(task, 30)
-    return path
 
 
 loop = asyncio.new_event_loop()
@@ -359,12 +356,13 @@ while True:  # every descriptor left, taken
         spent.append(os.open(os.devnull, os.O_RDONLY))
     except OSError:
         break
-print("first loop:", loop.run_until_complete(park_once(streams[0])))
+print("first loop:", loop.run_until_complete(park_once(streams[0], "wake_path")))
 loop.close()
 for fd in spent:
     os.close(fd)
-print("later loop:", asyncio.run(park_once(streams[1])))
+print("later loop:", asyncio.run(park_once(streams[1], "wake_path")))
 """
+)
 
 
 @pytest.mark.parametrize("shim_state", ["loaded", "not yet loaded"])

@@ -231,10 +231,8 @@ def test_a_cuda_arm_frees_its_slot_only_where_the_driver_will_never_call_it(
 
 
 _INTERRUPTED_RECORDS = """
-import random, signal, sys, time
-import asyncfence
+import random
 from asyncfence import _core
-from asyncfence.testing import open_default_device
 
 
 class Interrupt(BaseException):
@@ -252,7 +250,6 @@ def interrupt(signum, frame):
 
 
 signal.signal(signal.SIGALRM, interrupt)
-queue = open_default_device("opencl").new_stream()
 rng = random.Random(1)
 interrupts = left_held = 0
 deadline = time.monotonic() + 2.0
@@ -261,7 +258,7 @@ while time.monotonic() < deadline:
     try:
         signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, 0.002))
         for _ in range(2000):
-            asyncfence.record(queue).done()  # the record's stripe lock, the settle lock
+            asyncfence.record(stream).done()  # the record's stripe lock, the settle lock
     except Interrupt:
         interrupts += 1
         for lock in (_core._settle_lock, *_core._record_locks):
@@ -274,18 +271,12 @@ print("interrupts", interrupts, "left held", left_held)
 """
 
 
-def test_an_interrupt_anywhere_in_a_record_or_settle_leaves_no_lock_held() -> None:
+def test_an_interrupt_anywhere_in_a_record_or_settle_leaves_no_lock_held(cuda_mode: str) -> None:
     # Ctrl-C (or trio's KeyboardInterrupt in task code) can land at any
     # bytecode; a lock left held would hang every later record and wait of
     # the process. A with statement leaves no gap between taking the lock
     # and the block that releases it; acquire() then try: does.
-    result = subprocess.run(
-        [sys.executable, "-c", _INTERRUPTED_RECORDS],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "ASYNCFENCE_CUDA_DRIVER": "none"},
-    )
+    result = run_script(_INTERRUPTED_RECORDS, "opencl", cuda_mode)
     assert result.returncode == 0, result.stderr[-2000:]
     words = result.stdout.split()
     interrupts, left_held = int(words[1]), int(words[4])
