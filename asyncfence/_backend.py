@@ -168,6 +168,14 @@ class Backend(Protocol[MarkerT]):
     #: keeps no runtime state a child could inherit (torch's CPU streams).
     #: Otherwise a backend the parent used is refused in the child.
     fork_safe: bool = False
+    #: Whether a marker is a reference-counted handle (an OpenCL event): valid
+    #: for as long as a reference to it is held, never handed out again, and
+    #: given back, once the device has passed it, by dropping the reference
+    #: (:meth:`release_done` does nothing). A driver call then needs no pin
+    #: on it, and a fence found done lets it go without the settle lock.
+    #: ``False`` for pooled markers (CUDA's events, recorded again once
+    #: released): a driver call that uses one pins it first.
+    refcounted_markers: bool = False
 
     def claims(self, stream: object) -> bool:
         """Whether ``stream`` is one of this backend's stream objects (by its type only)."""

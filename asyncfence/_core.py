@@ -157,6 +157,11 @@ class FenceCore:
 
     def release_marker(self) -> None:
         """Release the marker of a settled fence, unless a driver call still uses it."""
+        if self.state == DONE and self.backend.refcounted_markers:
+            # Dropping the reference is its release, and a pinning call holds
+            # its own: no lock (an OpenCL wake).
+            self._marker = None
+            return
         with _settle_lock:
             if self._pins or self.state == PENDING:
                 return
@@ -216,6 +221,14 @@ class FenceCore:
             DeviceError: The runtime refused (a faulted CUDA context, say).
             MemoryError: The shim could not allocate the signal.
         """
+        backend = self.backend
+        if backend.refcounted_markers:
+            # This reference keeps the marker valid, whoever releases it
+            # meanwhile: no pin, and so no lock (an OpenCL park).
+            marker = self._marker
+            if marker is None or self.state != PENDING:
+                return "settled"
+            return "armed" if backend.arm(marker, self.queue, mailbox, token) else "unsignalled"
         # _pin() and _unpin(), written out: this runs on every park.
         with _settle_lock:
             marker = self._marker
@@ -223,7 +236,7 @@ class FenceCore:
                 return "settled"
             self._pins += 1
         try:
-            armed = self.backend.arm(marker, self.queue, mailbox, token)
+            armed = backend.arm(marker, self.queue, mailbox, token)
         finally:
             with _settle_lock:
                 self._pins -= 1
@@ -232,7 +245,7 @@ class FenceCore:
                 if settled_meanwhile:
                     marker, self._marker = self._marker, None
             if settled_meanwhile and marker is not None:
-                self.backend.release(marker)
+                backend.release(marker)
         return "armed" if armed else "unsignalled"
 
     def export_marker(self) -> tuple[bytes, object] | None:

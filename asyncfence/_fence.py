@@ -25,11 +25,15 @@ if TYPE_CHECKING:
 
     from typing_extensions import Self
 
+    from ._poller import Poller
     from ._relay import FenceToken
 
 __all__ = ["Fence", "cores_of", "record"]
 
 _KNOWN_STRATEGIES = frozenset(STRATEGIES)
+# How record() makes a handle around its core (Fence.__new__ refuses callers):
+# inline, since a classmethod's call would cost as much again.
+_new_handle = object.__new__
 # wait_sync sleeps between polls, the sleep doubling up to this.
 _BLOCKING_SLEEP_CAP_S = 1e-3
 
@@ -56,12 +60,6 @@ class Fence:
 
     def __new__(cls, *args: object, **kwargs: object) -> Self:
         raise TypeError("fences are made by asyncfence.record(stream)")
-
-    @classmethod
-    def _of(cls, core: FenceCore) -> Self:
-        fence = object.__new__(cls)
-        fence._core = core
-        return fence
 
     def __reduce__(self) -> Any:
         # A fence is a point on a stream of this process's device runtime: it
@@ -189,7 +187,8 @@ class Fence:
             await driver.checkpoint()  # a checkpoint, even when there is nothing to wait for
             _settled_outcome(core, timeout)
             return
-        poller = poller_of(driver)
+        # poller_of(), written out: the loop's first wait made it.
+        poller: Poller = driver.poller or poller_of(driver)  # type: ignore[assignment]
         waiter = driver.new_waiter()
         woken = False
         try:
@@ -222,7 +221,8 @@ class Fence:
         if untimed_wait is not None and core.poll() == PENDING:
             # The usual wait, with no coroutine frame where the loop allows
             # it: memory per wait in flight (see AsyncioDriver's).
-            return untimed_wait(poller_of(driver), core, current_config().strategy)
+            poller: Poller = driver.poller or poller_of(driver)  # type: ignore[assignment]
+            return untimed_wait(poller, core, current_config().strategy)
         return self.wait().__await__()
 
     def export(self) -> FenceToken:
@@ -290,7 +290,9 @@ def record(stream: object) -> Fence:
     Thread-safety: safe to call from any thread; the fence may be awaited on
     any loop.
     """
-    return Fence._of(record_core(stream))
+    fence = _new_handle(Fence)
+    fence._core = record_core(stream)
+    return fence
 
 
 def warm_up(*streams: object) -> None:

@@ -51,6 +51,9 @@ HOW_TO_BUILD: Final = (
 _ABI_VERSION = 2
 # af_opencl_arm's answers besides OpenCL's own codes (0, or negative).
 _ARM_NO_ENTRY = 2  # (1: no memory)
+# Why a forked child may not arm a signal on a mailbox its parent made: the fd
+# is the parent's too, and the parent would be the one woken.
+_PARENTS_MAILBOX = "this mailbox belongs to the process this one was forked from"
 
 _logger = logging.getLogger("asyncfence.native")
 
@@ -297,8 +300,11 @@ class NativeMailbox:
 
         Raises:
             MemoryError: The shim could not allocate the slot.
-            RuntimeError: No :meth:`Shim.set_opencl_entry` was made.
+            RuntimeError: No :meth:`Shim.set_opencl_entry` was made, or
+                this process was forked from the one that made the mailbox.
         """
+        if self._generation != _fork.fork_count:
+            raise RuntimeError(_PARENTS_MAILBOX)
         arguments = self._arguments
         arguments[0] = event
         arguments[1] = token
@@ -317,7 +323,11 @@ class NativeMailbox:
 
         Raises:
             MemoryError: The shim could not allocate the slot.
+            RuntimeError: This process was forked from the one that made the
+                mailbox.
         """
+        if self._generation != _fork.fork_count:
+            raise RuntimeError(_PARENTS_MAILBOX)
         slot = self._slot_new(self._handle, token)
         if not slot:
             raise MemoryError("the native shim could not allocate a signal slot")
@@ -329,7 +339,13 @@ class NativeMailbox:
 
     def take(self) -> list[int]:
         """The tokens of the signals fired since the last take: the fd drained, then the list."""
-        return self._take_with(self._take)
+        # Written out in both takes: a call less on every wake.
+        if self._generation != _fork.fork_count:
+            return []  # a forked child: the parent's mailbox is not ours
+        count = self._take(self._handle_argument)
+        if count < self._batch:
+            return self._tokens[:count] if count else []
+        return self._rest_of_batches(self._take)
 
     def take_undrained(self) -> list[int]:
         """The same, without draining the fd: a system call less.
@@ -337,13 +353,17 @@ class NativeMailbox:
         If it returns any, the fd stays readable, so the loop calls back;
         :meth:`take` then drains it.
         """
-        return self._take_with(self._take_undrained)
-
-    def _take_with(self, take: Callable[[ctypes.c_void_p], int]) -> list[int]:
         if self._generation != _fork.fork_count:
-            return []  # a forked child: the parent's mailbox is not ours
-        count = take(self._handle_argument)
-        taken: list[int] = self._tokens[:count]
+            return []
+        count = self._take_undrained(self._handle_argument)
+        if count < self._batch:
+            return self._tokens[:count] if count else []
+        return self._rest_of_batches(self._take_undrained)
+
+    def _rest_of_batches(self, take: Callable[[ctypes.c_void_p], int]) -> list[int]:
+        """A full batch was taken (in the tokens array): it, and what the next takes give."""
+        taken: list[int] = self._tokens[:]
+        count = self._batch
         while count == self._batch:
             count = take(self._handle_argument)
             taken += self._tokens[:count]

@@ -303,7 +303,7 @@ print("ok")
     _passes_in_a_fresh_process(code)
 
 
-def test_a_forked_child_never_drains_its_parents_mailbox(native: Shim) -> None:
+def test_a_forked_child_never_drains_its_parents_mailbox_nor_arms_on_it(native: Shim) -> None:
     # In a fresh process, with no other thread: forking this one is not the point.
     code = """
 import ctypes, os, select
@@ -314,8 +314,17 @@ slot = mailbox.new_slot(3)
 ctypes.CFUNCTYPE(None, ctypes.c_void_p)(native.fire)(slot)
 readable = lambda: bool(select.select([mailbox.fileno()], [], [], 0)[0])
 pid = os.fork()
+def refused(arm):
+    try:
+        arm()
+    except RuntimeError as error:
+        return "forked from" in str(error)
+    return False
 if pid == 0:  # the child: the fd is shared with the parent, the mailbox is not its own
-    ok = mailbox.take() == [] and readable()
+    ok = mailbox.take() == [] and mailbox.take_undrained() == [] and readable()
+    # A signal armed here would wake the parent's loop, not the child's.
+    ok = ok and refused(lambda: mailbox.new_slot(4))
+    ok = ok and refused(lambda: mailbox.arm_event_callback(0, 5))
     del mailbox  # its finalizer must leave the parent's fd alone too
     os._exit(0 if ok else 1)
 _, status = os.waitpid(pid, 0)

@@ -818,6 +818,37 @@ async def parked_wait_noted(fence: asyncfence.Fence, name: object, notes: list[A
 
 
 @pytest.mark.usefixtures("only_signals_wake")
+async def test_an_opencl_fence_failing_while_its_signal_is_armed_wakes_with_the_failure(
+    device: OpenCLDevice, wake_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An OpenCL marker lives while referenced, so its arm holds no pin on it:
+    # another thread may settle the fence and release the marker meanwhile,
+    # and the signal must still come.
+    if wake_path != "native":
+        pytest.skip(f"the native shim is not in use in this run: {unavailable_reason()}")
+    queue = device.new_stream()
+    gate = StreamGate(queue)
+    fence = asyncfence.record(queue)
+    backend_type = type(fence._core.backend)
+    arm = backend_type.arm
+    released_during_arm: list[bool] = []
+
+    def arm_once_failed_elsewhere(self: Any, marker: Any, *rest: Any) -> bool:
+        gate.fail()
+        with pytest.raises(DeviceError):  # as another thread's wait would see it
+            fence.wait_sync(timeout=10)
+        released_during_arm.append(fence._core.marker_released)
+        return arm(self, marker, *rest)
+
+    monkeypatch.setattr(backend_type, "arm", arm_once_failed_elsewhere)
+    with anyio.fail_after(10), pytest.raises(DeviceError):  # the re-check is 30 s away
+        await fence.wait(strategy="park")
+    assert released_during_arm == [True]
+    stats = asyncfence.current_statistics()
+    assert (stats.signals, stats.rechecks, stats.parked) == (1, 0, 0)
+
+
+@pytest.mark.usefixtures("only_signals_wake")
 async def test_an_older_fence_parked_after_a_newer_one_wakes_by_its_own_signal(
     stream: Any,
 ) -> None:
@@ -874,12 +905,18 @@ async def test_a_signal_that_comes_before_its_fence_completes_arms_it_again(
 
 
 def noted_calls(
-    monkeypatch: pytest.MonkeyPatch, wake_path: str, owner: type, name: str, note: str
+    monkeypatch: pytest.MonkeyPatch,
+    wake_path: str,
+    owner: type,
+    name: str,
+    note: str,
+    events: list[str] | None = None,
 ) -> list[str]:
-    """A list that gets ``note`` each time the native wake path calls ``owner.name``."""
+    """``events`` (or a new list), given ``note`` each time the native wake calls ``owner.name``."""
     if wake_path != "native":
         pytest.skip(f"the native shim is not in use in this run: {unavailable_reason()}")
-    events: list[str] = []
+    if events is None:
+        events = []
     original = getattr(owner, name)
 
     def noted(*args: Any) -> Any:
@@ -959,7 +996,8 @@ async def test_a_fence_parked_by_a_task_just_woken_gets_its_signal_at_once(
 @pytest.fixture
 def takes_noted(wake_path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """A list that gets "take" each time a native wake asks the shim for its signals."""
-    return noted_calls(monkeypatch, wake_path, NativeMailbox, "_take_with", "take")
+    events = noted_calls(monkeypatch, wake_path, NativeMailbox, "take", "take")
+    return noted_calls(monkeypatch, wake_path, NativeMailbox, "take_undrained", "take", events)
 
 
 @pytest.mark.parametrize("armed", [1, 2], ids=["one-signal-armed", "two-signals-armed"])
@@ -1003,15 +1041,17 @@ async def test_a_reader_that_raises_leaves_the_loop_and_its_waits_working(
     # One signal armed: the rest of the wake raises. Two: the wake itself.
     if wake_path != "native":
         pytest.skip(f"the native shim is not in use in this run: {unavailable_reason()}")
-    take_with = NativeMailbox._take_with
     calls = 0
 
-    def take_failing_once(self: NativeMailbox, take: Any) -> list[int]:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("a bug in the wake path")
-        return take_with(self, take)
+    def failing_once(take: Any) -> Any:
+        def take_failing_once(self: NativeMailbox) -> list[int]:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("a bug in the wake path")
+            return take(self)  # type: ignore[no-any-return]
+
+        return take_failing_once
 
     other = device.new_stream()
     with caplog.at_level(logging.ERROR, "asyncfence.loops"), hold(stream) as gate:
@@ -1025,7 +1065,10 @@ async def test_a_reader_that_raises_leaves_the_loop_and_its_waits_working(
                     if armed == 2:
                         tg.start_soon(partial(bystander.wait, strategy="park"))
                     await until(lambda: asyncfence.current_statistics().armed == armed)
-                    monkeypatch.setattr(NativeMailbox, "_take_with", take_failing_once)
+                    for name in ("take", "take_undrained"):  # whichever comes first
+                        monkeypatch.setattr(
+                            NativeMailbox, name, failing_once(getattr(NativeMailbox, name))
+                        )
                     gate.release()
                     await until(fence.done)
                     other_gate.release()

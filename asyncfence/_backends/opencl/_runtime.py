@@ -73,6 +73,7 @@ class OpenCLBackend(Backend["cl.Event"]):
     title = "OpenCL"
     default_rank = 1  # after a GPU's
     accepts = "a pyopencl.CommandQueue"
+    refcounted_markers = True  # a cl.Event lives while referenced (see release_done)
 
     def __init__(self) -> None:
         # Markers released while still pending. PoCL 3.0 aborts the process if
@@ -111,18 +112,26 @@ class OpenCLBackend(Backend["cl.Event"]):
         return self._known(queue).info
 
     def record(self, stream: object) -> tuple[cl.Event, QueueInfo]:
-        import pyopencl as cl
-
-        if stream.__class__ is not cl.CommandQueue and not isinstance(stream, cl.CommandQueue):
-            raise TypeError(f"expected {self.accepts}; got {type_name(stream)} object")
-        known = self._known(stream)
-        marker = known.enqueue_marker(stream, None)
+        # Only a queue recorded on before has one: the type check, and the
+        # import it needs, are for the first record.
+        known: _KnownQueue | None = getattr(stream, _KNOWN_QUEUE_ATTRIBUTE, None)
+        if known is None:
+            known = self._known(self._checked_queue(stream))
+        queue: cl.CommandQueue = stream  # type: ignore[assignment]  # it has a _KnownQueue
+        marker = known.enqueue_marker(queue, None)
         # Without a flush the marker may never reach the device, and a wait on
         # it would hang.
-        stream.flush()
+        queue.flush()
         if len(self._graveyard) >= self._sweep_at:
             self._sweep()
         return marker, known.info
+
+    def _checked_queue(self, stream: object) -> cl.CommandQueue:
+        import pyopencl as cl
+
+        if not isinstance(stream, cl.CommandQueue):
+            raise TypeError(f"expected {self.accepts}; got {type_name(stream)} object")
+        return stream
 
     def query(self, marker: cl.Event) -> bool:
         status = _execution_status(marker)

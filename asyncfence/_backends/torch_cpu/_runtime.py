@@ -73,6 +73,7 @@ class TorchCpuBackend(Backend[_Passed]):
     accepts = _ACCEPTS
     default_rank = 2  # registered without devices: never the default device
     fork_safe = True  # no runtime: a forked child (a DataLoader worker) records as well
+    refcounted_markers = True  # a marker is a plain object, with nothing to give back
 
     def claims(self, stream: object) -> bool:
         kind = type(stream)
