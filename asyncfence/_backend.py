@@ -169,12 +169,15 @@ class Backend(Protocol[MarkerT]):
     #: Otherwise a backend the parent used is refused in the child.
     fork_safe: bool = False
     #: Whether a marker is a reference-counted handle (an OpenCL event): valid
-    #: for as long as a reference to it is held, never handed out again, and
-    #: given back, once the device has passed it, by dropping the reference
-    #: (:meth:`release_done` does nothing). A driver call then needs no pin
-    #: on it, and a fence found done lets it go without the settle lock.
-    #: ``False`` for pooled markers (CUDA's events, recorded again once
-    #: released): a driver call that uses one pins it first.
+    #: for as long as a reference to it is held, never recorded again for
+    #: other work, and given back, once the device has passed it, by dropping
+    #: the reference (:meth:`release_done` does nothing). A driver call then
+    #: needs no pin on it, and a fence found done lets it go without the
+    #: settle lock; so :meth:`release` may run while another thread's driver
+    #: call still uses the marker through its own reference, and must leave
+    #: the handle usable. ``False`` for pooled markers (CUDA's events,
+    #: recorded again once released): a driver call that uses one pins it
+    #: first.
     refcounted_markers: bool = False
 
     def claims(self, stream: object) -> bool:

@@ -150,16 +150,22 @@ class FenceCore:
             if self._pins or keep_marker:
                 return  # a driver call still uses the marker, or it is released later
             marker, self._marker = self._marker, None
+        if marker is None:  # let go already, by a lockless release_marker()
+            return
         if state == DONE:
             self.backend.release_done(marker)
         else:
             self.backend.release(marker)
 
     def release_marker(self) -> None:
-        """Release the marker of a settled fence, unless a driver call still uses it."""
+        """Release the marker of a settled fence, unless a driver call still uses it.
+
+        A done fence on a backend with reference-counted markers drops its
+        marker at once: a call using it holds a reference of its own.
+        """
         if self.state == DONE and self.backend.refcounted_markers:
-            # Dropping the reference is its release, and a pinning call holds
-            # its own: no lock (an OpenCL wake).
+            # Dropping the reference is its release: no lock (an OpenCL wake).
+            # A settle still finishing on another thread then finds no marker.
             self._marker = None
             return
         with _settle_lock:

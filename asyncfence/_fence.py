@@ -290,8 +290,9 @@ def record(stream: object) -> Fence:
     Thread-safety: safe to call from any thread; the fence may be awaited on
     any loop.
     """
+    core = record_core(stream)  # first: a record that raises leaves no empty handle
     fence = _new_handle(Fence)
-    fence._core = record_core(stream)
+    fence._core = core
     return fence
 
 

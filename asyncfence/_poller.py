@@ -586,7 +586,8 @@ class _Parking:
         """Arm a signal for each candidate that needs one and has none.
 
         A signal armed comes even if the fence completed meanwhile: its
-        marker was kept from release while the signal was armed on it. A fence
+        marker was kept valid while the signal was armed on it (pinned, or
+        held by the arm's own reference). A fence
         that another thread or loop settled first (its marker gone, so no
         signal can come), and one that got no signal but has completed, are
         swept on the next loop turn: the waiter may not be suspended yet.

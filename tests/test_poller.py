@@ -835,7 +835,9 @@ async def test_an_opencl_fence_failing_while_its_signal_is_armed_wakes_with_the_
 
     def arm_once_failed_elsewhere(self: Any, marker: Any, *rest: Any) -> bool:
         gate.fail()
-        with pytest.raises(DeviceError):  # as another thread's wait would see it
+        # Settled here, on the loop's thread, inside the arm: under the GIL,
+        # what another thread's wait_sync() would do meanwhile.
+        with pytest.raises(DeviceError):
             fence.wait_sync(timeout=10)
         released_during_arm.append(fence._core.marker_released)
         return arm(self, marker, *rest)

@@ -112,8 +112,8 @@ class OpenCLBackend(Backend["cl.Event"]):
         return self._known(queue).info
 
     def record(self, stream: object) -> tuple[cl.Event, QueueInfo]:
-        # Only a queue recorded on before has one: the type check, and the
-        # import it needs, are for the first record.
+        # Only a queue seen before has one (a record, or _queue_info): the
+        # type check, and the import it needs, are for the first record.
         known: _KnownQueue | None = getattr(stream, _KNOWN_QUEUE_ATTRIBUTE, None)
         if known is None:
             known = self._known(self._checked_queue(stream))
