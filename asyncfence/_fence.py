@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
     from typing_extensions import Self
 
-    from ._poller import Poller
     from ._relay import FenceToken
 
 __all__ = ["Fence", "cores_of", "record"]
@@ -187,8 +186,7 @@ class Fence:
             await driver.checkpoint()  # a checkpoint, even when there is nothing to wait for
             _settled_outcome(core, timeout)
             return
-        # poller_of(), written out: the loop's first wait made it.
-        poller: Poller = driver.poller or poller_of(driver)  # type: ignore[assignment]
+        poller = poller_of(driver)
         waiter = driver.new_waiter()
         woken = False
         try:
@@ -221,8 +219,7 @@ class Fence:
         if untimed_wait is not None and core.poll() == PENDING:
             # The usual wait, with no coroutine frame where the loop allows
             # it: memory per wait in flight (see AsyncioDriver's).
-            poller: Poller = driver.poller or poller_of(driver)  # type: ignore[assignment]
-            return untimed_wait(poller, core, current_config().strategy)
+            return untimed_wait(poller_of(driver), core, current_config().strategy)
         return self.wait().__await__()
 
     def export(self) -> FenceToken:

@@ -78,8 +78,6 @@ RECHECK_RATE = 10_000
 #: loop's own mailbox fd) or ``"polling"`` (no shim: re-checked on the loop).
 WakePath = Literal["native", "polling"]
 
-_PARK_FAILED = "parking %r failed; polling it instead"
-
 _shim_warned = False
 _shim_warned_lock = threading.Lock()
 
@@ -242,14 +240,7 @@ class Poller:
             waits[waiter] = strategy
         self._waiter_count += 1
         if strategy == "park":
-            parking = self._parking
-            if parking is not None:  # _park(), written out for every park but a loop's first
-                try:
-                    parking.park(fence)
-                    return
-                except Exception:  # a backend bug: polled instead
-                    _logger.exception(_PARK_FAILED, fence)
-            elif self._park(fence):
+            if self._park(fence):
                 return
             strategy = "poll"  # polled instead, for as long as it waits
             waits[waiter] = strategy
@@ -344,7 +335,7 @@ class Poller:
                 parking = self._parking = _Parking(self, _new_mailbox())
             parking.park(fence)
         except Exception:  # a backend bug: polled instead
-            _logger.exception(_PARK_FAILED, fence)
+            _logger.exception("parking %r failed; polling it instead", fence)
             return False
         return True
 
