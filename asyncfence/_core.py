@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, final
@@ -20,10 +21,14 @@ from ._exceptions import DeviceError, FenceError
 from ._validation import type_name
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._backend import Backend, QueueInfo
     from ._native import NativeMailbox
 
 __all__ = ["DONE", "FAILED", "PENDING", "ArmResult", "FenceCore", "import_core", "record_core"]
+
+_logger = logging.getLogger("asyncfence")
 
 PENDING: Final = 0
 DONE: Final = 1
@@ -72,6 +77,7 @@ class FenceCore:
         "__weakref__",
         "_failure",
         "_generation",
+        "_listeners",
         "_marker",
         "_pins",
         "backend",
@@ -89,6 +95,7 @@ class FenceCore:
         self._pins = 0
         self._failure: DeviceError | None = None
         self._generation = _fork.fork_count
+        self._listeners: list[Callable[[FenceCore], None]] | None = None
 
     def __repr__(self) -> str:
         state = ("pending", "done", "failed")[self.state]
@@ -147,15 +154,53 @@ class FenceCore:
             # finds no marker then always finds the fence settled.
             self._failure = failure
             self.state = state
+            listeners, self._listeners = self._listeners, None
             if self._pins or keep_marker:
-                return  # a driver call still uses the marker, or it is released later
-            marker, self._marker = self._marker, None
-        if marker is None:  # let go already, by a lockless release_marker()
+                # A driver call still uses the marker, or it is released later.
+                marker = None
+            else:
+                marker, self._marker = self._marker, None
+        if listeners is not None:
+            self._tell(listeners)
+        if marker is None:  # kept, or let go already by a lockless release_marker()
             return
         if state == DONE:
             self.backend.release_done(marker)
         else:
             self.backend.release(marker)
+
+    def on_settle(self, listener: Callable[[FenceCore], None]) -> bool:
+        """Have ``listener(self)`` called once this fence settles, by whoever settles it.
+
+        It runs on the thread that settles the fence (a loop's wake, any
+        wait's query, ``wait_sync`` in a worker thread), before that thread
+        goes on: it must be quick, thread-safe, and never raise.
+
+        Returns:
+            False, and nothing is called, if the fence has settled already.
+        """
+        with _settle_lock:
+            if self.state != PENDING:
+                return False
+            if self._listeners is None:
+                self._listeners = [listener]
+            else:
+                self._listeners.append(listener)
+        return True
+
+    def forget_listener(self, listener: Callable[[FenceCore], None]) -> None:
+        """Undo :meth:`on_settle` (a no-op once the fence settled)."""
+        with _settle_lock:
+            listeners = self._listeners
+            if listeners is not None and listener in listeners:
+                listeners.remove(listener)
+
+    def _tell(self, listeners: list[Callable[[FenceCore], None]]) -> None:
+        for listener in listeners:
+            try:
+                listener(self)
+            except Exception:  # a listener must not raise; the settle goes on
+                _logger.exception("asyncfence: a settle listener of %r raised", self)
 
     def release_marker(self) -> None:
         """Release the marker of a settled fence, unless a driver call still uses it.

@@ -249,7 +249,7 @@ class Fence:
         """
         from ._relay import export_core
 
-        return export_core(self._core, self.wait)
+        return export_core(self._core)
 
 
 def _settled_outcome(core: FenceCore, seconds: float) -> None:

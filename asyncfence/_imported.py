@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import os
 import socket
@@ -25,20 +24,17 @@ from typing import TYPE_CHECKING, Any, final
 from ._backend import backend_named
 from ._config import check_timeout, current_config
 from ._core import DONE, FAILED, PENDING, import_core
-from ._exceptions import DeviceError, FenceError, FenceLostError, TokenRefusedError
+from ._exceptions import FenceError, FenceLostError, TokenRefusedError
 from ._loops import current_driver
+from ._peer import Credentials, peer_credentials, process_started, this_process
 from ._poller import poller_of
 from ._relay import (
     ANSWER_ACCEPTED,
-    ANSWER_DONE,
-    ANSWER_ERROR,
-    ANSWER_FAILED,
-    ANSWER_LIMIT,
-    ANSWER_REFUSED,
-    LENGTH,
     PROTOCOL,
     SECRET_BYTES,
     FenceToken,
+    parse_answer,
+    take_message,
 )
 from ._validation import type_name
 
@@ -72,8 +68,14 @@ def import_fence(token: FenceToken) -> ImportedFence:
         TypeError: ``token`` is not a :class:`FenceToken`, or its fields
             have the wrong types.
         ValueError: Its secret is not 32 bytes long.
+        TokenRefusedError: The token was exported on another machine, in
+            another boot of this one, or in another network namespace (its
+            relay cannot be reached from here); or its exporter runs as
+            another user (a relay answers its own user only).
         FenceLostError: No process serves the token any more: its exporter
-            exited, or its event loop ended.
+            exited, or its event loop ended. So too if another process
+            listens at its address now: the secret is sent to the exporter
+            only, checked by its pid and start time.
 
     Thread-safety: any thread.
     """
@@ -82,19 +84,15 @@ def import_fence(token: FenceToken) -> ImportedFence:
             "import_fence() expects an asyncfence.FenceToken (from Fence.export()), "
             f"got {type_name(token)}"
         )
-    if not isinstance(token.address, str) or not isinstance(token.secret, bytes):
-        raise TypeError("a FenceToken's address must be a str and its secret bytes")
-    if len(token.secret) != SECRET_BYTES:
-        raise ValueError(
-            f"a FenceToken's secret is {SECRET_BYTES} bytes long, got {len(token.secret)}"
-        )
-    if token.interprocess is not None and not isinstance(token.interprocess, bytes):
-        raise TypeError("a FenceToken's interprocess handle must be bytes or None")
+    _check_fields(token)
+    _check_host(token)
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         connection.setblocking(False)
         # A Unix socket connects at once, or refuses: no wait on either.
         connection.connect("\0" + token.address)
+        # Whoever listens there must be the exporter before it gets the secret.
+        _check_listener(peer_credentials(connection), token)
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             # Into an empty buffer: never blocks. The exporter may have
             # answered and closed already (a refusal needs no request): what
@@ -121,6 +119,82 @@ def import_fence(token: FenceToken) -> ImportedFence:
     # A plain descriptor from here on: no socket object's finalizer can close
     # it before the fence's own (a cycle's garbage is finalized in no set order).
     return ImportedFence._of(connection.detach(), token, local)
+
+
+def _check_fields(token: FenceToken) -> None:
+    """Refuse a token whose fields have the wrong types or sizes (one unpickled from anywhere)."""
+    expected = {
+        "address": str,
+        "secret": bytes,
+        "producer_pid": int,
+        "backend": str,
+        "producer_started": int,
+        "host": str,
+        "pid_namespace": int,
+    }
+    for name, kind in expected.items():
+        value = getattr(token, name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise TypeError(
+                f"a FenceToken's {name} must be {kind.__name__}, got {type_name(value)}"
+            )
+    if token.interprocess is not None and not isinstance(token.interprocess, bytes):
+        raise TypeError("a FenceToken's interprocess handle must be bytes or None")
+    if len(token.secret) != SECRET_BYTES:
+        raise ValueError(
+            f"a FenceToken's secret is {SECRET_BYTES} bytes long, got {len(token.secret)}"
+        )
+
+
+def _check_host(token: FenceToken) -> None:
+    """Refuse a token from where this process cannot reach its relay, saying why."""
+    here = this_process().host
+    if token.host == here:
+        return
+    boot, _, network = token.host.partition("/")
+    if boot != here.partition("/")[0]:
+        where = (
+            "on another machine, or on this one before it restarted (another boot id): "
+            "tokens work between processes of one host"
+        )
+    else:
+        where = (
+            f"in another network namespace ({network}, this process is in "
+            f"{here.partition('/')[2]}): its relay's socket cannot be reached from here"
+        )
+    raise TokenRefusedError(
+        f"this token was exported by pid {token.producer_pid} {where}; await the fence "
+        "in a process beside its exporter, and send the result on"
+    )
+
+
+def _check_listener(listener: Credentials, token: FenceToken) -> None:
+    """Raise unless the process listening at the token's address is the one that exported it.
+
+    In one pid namespace its pid and that pid's start time must be the
+    token's, so that no other process (one given the exporter's pid again,
+    say) can pose as it; and its user must be this process's, as the relay
+    answers no other.
+
+    Raises:
+        FenceLostError: Another process listens there: the exporter is gone.
+        TokenRefusedError: The exporter itself runs as another user.
+    """
+    if token.pid_namespace == this_process().pid_namespace and (
+        listener.pid != token.producer_pid
+        or (token.producer_started and process_started(listener.pid) != token.producer_started)
+    ):
+        raise FenceLostError(
+            f"no process serves this token: its exporter (pid {token.producer_pid}) "
+            f"is gone, and another process (pid {listener.pid}, uid {listener.uid}) "
+            "listens at its address; the token's secret was not sent"
+        )
+    if listener.uid != os.geteuid():
+        raise TokenRefusedError(
+            f"the process at the token's address (pid {listener.pid}) runs as another user "
+            f"(uid {listener.uid}, this process is uid {os.geteuid()}), and a relay answers "
+            "its own user only; the token's secret was not sent"
+        )
 
 
 def _open_locally(token: FenceToken) -> FenceCore | None:
@@ -393,20 +467,16 @@ class ImportedFence:
             if not chunk:
                 break
             self._answer += chunk
-            while len(self._answer) >= LENGTH.size:
-                (length,) = LENGTH.unpack_from(self._answer)
-                if length > ANSWER_LIMIT:
-                    self._settle(FenceError("the exporting process sent no asyncfence answer"))
-                    return True
-                if len(self._answer) < LENGTH.size + length:
-                    break
-                message = bytes(self._answer[LENGTH.size : LENGTH.size + length])
-                del self._answer[: LENGTH.size + length]
-                if message != ANSWER_ACCEPTED:
-                    self._settle(self._parse(message))
-                    return True
-                self._accepted = True
-                self._wake_all()  # a wait the device already ended may end now
+            try:
+                while (message := take_message(self._answer)) is not None:
+                    if message != ANSWER_ACCEPTED:
+                        self._settle(parse_answer(message))
+                        return True
+                    self._accepted = True
+                    self._wake_all()  # a wait the device already ended may end now
+            except ValueError:  # a length no answer has
+                self._settle(FenceError("the exporting process sent no asyncfence answer"))
+                return True
         # The end of the stream before a whole answer: nobody will answer now.
         self._settle(self._lost("it went away before the fence completed"))
         return True
@@ -425,28 +495,6 @@ class ImportedFence:
         if fd >= 0:
             self._fd = -1  # first: never close a number the system gave out again
             os.close(fd)
-
-    def _parse(self, answer: bytes) -> FenceError | None:
-        kind, details = answer[:1], answer[1:]
-        if kind == ANSWER_DONE and not details:
-            return None
-        if kind == ANSWER_FAILED:
-            try:
-                fields = json.loads(details)
-                return DeviceError(
-                    str(fields["backend"]),
-                    int(fields["code"]),
-                    str(fields["name"]),
-                    str(fields["detail"]),
-                )
-            except (ValueError, KeyError, TypeError):
-                return FenceError("the exporting process sent a malformed failure")
-        if kind == ANSWER_REFUSED:
-            reason = details.decode(errors="replace")
-            return TokenRefusedError(f"the exporting process refused the token: {reason}")
-        if kind == ANSWER_ERROR:
-            return FenceError(details.decode(errors="replace"))
-        return FenceError("the exporting process sent no asyncfence answer")
 
     def _lost(self, why: str) -> FenceLostError:
         return FenceLostError(

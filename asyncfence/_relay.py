@@ -13,9 +13,12 @@ ended), which no answer can then follow. Design: ``docs/design.md``
 
 A token is a capability for one wait and nothing more: 32 random bytes
 that name one export, answered once, then forgotten. Nothing a token holder
-sends can make the exporter free, fail or run anything.
+sends can make the exporter free, fail or run anything. The answer is sent
+from the wake of the exporter's fence itself, so that no task of the
+exporter's can hold it back. The threat model: ``docs/processes.md``.
 
-The importing side is :mod:`asyncfence._imported`.
+The importing side is :mod:`asyncfence._imported`; who is at each end,
+:mod:`asyncfence._peer`.
 
 Thread-safety: an exporting loop's relay belongs to its loop's thread.
 """
@@ -23,23 +26,28 @@ Thread-safety: an exporting loop's relay belongs to its loop's thread.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import math
 import os
 import secrets
 import socket
 import struct
 import sys
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, NamedTuple
 
-from ._exceptions import DeviceError, FenceError
+from ._config import current_config
+from ._core import PENDING
+from ._exceptions import DeviceError, FenceError, TokenRefusedError
 from ._loops import current_driver
+from ._peer import peer_credentials, this_process
+from ._poller import poller_of
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
-
     from ._core import FenceCore
     from ._loops import LoopDriver
 
@@ -55,8 +63,10 @@ __all__ = [
     "PROTOCOL",
     "SECRET_BYTES",
     "FenceToken",
+    "answer_for",
     "export_core",
     "frame",
+    "parse_request",
 ]
 
 _logger = logging.getLogger("asyncfence.relay")
@@ -78,8 +88,22 @@ ANSWER_REFUSED: Final = b"R"  # then why, in UTF-8
 ANSWER_ERROR: Final = b"E"  # then a FenceError's message, in UTF-8
 # Answers are a few hundred bytes; anything longer is not one.
 ANSWER_LIMIT: Final = 64 * 1024
-_PEER_CREDENTIALS: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
 LENGTH: Final = struct.Struct("!I")
+
+# An importer sends its request as it connects: a connection of the same user
+# that has not, within this, is cut off; and so is the oldest of those waiting
+# when more than this many are.
+REQUEST_DEADLINE_S: Final = 5.0
+MAX_AWAITING_REQUEST: Final = 64
+# Connections accepted per turn of the loop, at most.
+ACCEPT_BATCH: Final = 64
+# After accept() failed (no descriptor free, say): the pause before the next try.
+ACCEPT_RETRY_S: Final = 0.05
+# At most one warning this often, for a relay short of descriptors.
+_WARN_EVERY_S: Final = 60.0
+_SHORT_OF_RESOURCES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# The connection went away before it was accepted: nothing to tell anyone.
+_TRANSIENT: Final = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +119,15 @@ class FenceToken:
         address: The exporting loop's relay socket, in Linux's abstract
             namespace (without the leading NUL byte).
         secret: The 32 random bytes that name the export.
-        producer_pid: The exporting process, for messages.
+        producer_pid: The exporting process (in its pid namespace).
         backend: The exported fence's backend, ``"opencl"`` or ``"cuda"``.
+        producer_started: When the exporting process started, in clock ticks
+            after boot: a pid given out again comes with another.
+        host: The exporter's boot and network namespace: an importer
+            elsewhere (another machine, another boot, another network
+            namespace) cannot reach its relay, and refuses the token at once.
+        pid_namespace: The exporter's pid namespace (its inode): an importer
+            in the same one checks the relay's pid as well as its user.
         interprocess: Where the backend has interprocess events (CUDA), the
             handle of one that completes with the fence, which the importer's
             own device waits on; ``None`` elsewhere, or once the fence was done.
@@ -108,19 +139,153 @@ class FenceToken:
     secret: bytes = field(repr=False)
     producer_pid: int
     backend: str
+    producer_started: int = field(repr=False)
+    host: str = field(repr=False)
+    pid_namespace: int = field(repr=False)
     interprocess: bytes | None = field(default=None, repr=False)
 
 
 class _Export(NamedTuple):
-    """An exported fence, how to await it, and what keeps its interprocess handle valid."""
+    """An exported fence, and what keeps its interprocess handle valid."""
 
     core: FenceCore
-    settled: Callable[[], Awaitable[None]]  # Fence.wait: returns once done, raises if failed
     kept: object  # or None
 
 
+class _Answer:
+    """Answers an importer the moment its export's fence settles, whoever settles it.
+
+    It listens to the fence's settle (:meth:`FenceCore.on_settle`): the
+    answer goes out on the thread that learns how the work ended, before
+    that thread goes on. A task of the exporter's that awaits the same fence
+    and then blocks its loop, or a worker thread's ``wait_sync``, cannot hold
+    the answer back. It is also the poller waiter that has the fence
+    queried, for when nothing else in the process waits on it.
+
+    Thread-safety: any thread; the answer is sent once.
+    """
+
+    __slots__ = ("_unsent",)
+
+    def __init__(self, connection: socket.socket, *, shut_after: bool) -> None:
+        # Without an interprocess handle nothing outlives the answer: shutting
+        # the socket down then wakes the connection's task, which closes it.
+        # Popped by the one call that sends (list.pop is atomic).
+        self._unsent = [(connection, shut_after)]
+
+    @property
+    def sent(self) -> bool:
+        return not self._unsent
+
+    def __call__(self, core: FenceCore) -> None:
+        """The settle listener: send how the work ended. Never raises."""
+        self.send(core.outcome())
+
+    def wake(self, error: BaseException | None) -> None:
+        """The poller's wake (a no-op once the settle sent the answer). Never raises."""
+        self.send(error)
+
+    def send(self, error: BaseException | None) -> None:
+        """Send the answer for ``error`` (``None``: done), unless one went out. Never raises."""
+        try:
+            connection, shut_after = self._unsent.pop()
+        except IndexError:
+            return
+        try:
+            with contextlib.suppress(OSError):  # the importer went away
+                # A few hundred bytes on a socket that got one message at
+                # most before: never blocks.
+                connection.send(frame(answer_for(error)), socket.MSG_NOSIGNAL)
+            if shut_after:
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
+        except Exception:
+            _logger.exception("asyncfence: the fence relay failed to answer an import")
+
+
+def answer_for(error: BaseException | None) -> bytes:
+    """The answer for a fence that settled with ``error`` (``None``: done)."""
+    if error is None:
+        return ANSWER_DONE
+    if isinstance(error, DeviceError):
+        failure = {
+            "backend": error.backend,
+            "code": error.code,
+            "name": error.name,
+            "detail": error.detail,
+        }
+        return ANSWER_FAILED + json.dumps(failure).encode()
+    if isinstance(error, FenceError):  # the wait itself failed (forked, say)
+        return ANSWER_ERROR + str(error).encode()
+    return ANSWER_ERROR + b"the exporting process failed to answer"
+
+
+def take_message(buffer: bytearray) -> bytes | None:
+    """Take the first whole message off the front of ``buffer``; ``None`` until one is whole.
+
+    Raises:
+        ValueError: Its length is more than :data:`ANSWER_LIMIT`: no answer
+            is that long.
+    """
+    if len(buffer) < LENGTH.size:
+        return None
+    (length,) = LENGTH.unpack_from(buffer)
+    if length > ANSWER_LIMIT:
+        raise ValueError(f"a message of {length} bytes is no asyncfence answer")
+    if len(buffer) < LENGTH.size + length:
+        return None
+    message = bytes(buffer[LENGTH.size : LENGTH.size + length])
+    del buffer[: LENGTH.size + length]
+    return message
+
+
+def parse_answer(answer: bytes) -> FenceError | None:
+    """What an answer other than :data:`ANSWER_ACCEPTED` says: ``None`` (done), or the error.
+
+    Anything an exporter could send gives one or the other: this never raises.
+    """
+    kind, details = answer[:1], answer[1:]
+    if kind == ANSWER_DONE and not details:
+        return None
+    if kind == ANSWER_FAILED:
+        try:
+            fields = json.loads(details)
+            return DeviceError(
+                str(fields["backend"]),
+                int(fields["code"]),
+                str(fields["name"]),
+                str(fields["detail"]),
+            )
+        # OverflowError: a code of Infinity; RecursionError: JSON nested thousands deep.
+        except (ValueError, LookupError, TypeError, OverflowError, RecursionError):
+            return FenceError("the exporting process sent a malformed failure")
+    if kind == ANSWER_REFUSED:
+        reason = details.decode(errors="replace")
+        return TokenRefusedError(f"the exporting process refused the token: {reason}")
+    if kind == ANSWER_ERROR:
+        return FenceError(details.decode(errors="replace"))
+    return FenceError("the exporting process sent no asyncfence answer")
+
+
+def parse_request(request: bytes) -> bytes | None:
+    """The secret a request presents; ``None`` if it is not an asyncfence request."""
+    if len(request) != REQUEST_BYTES or not request.startswith(PROTOCOL):
+        return None
+    return request[len(PROTOCOL) :]
+
+
 class _Relay:
-    """One loop's exports, and the socket its system task serves them on. Loop thread only."""
+    """One loop's exports, and the socket its system task serves them on. Loop thread only.
+
+    What a connection may hold is bounded: a peer of another user is
+    answered and closed as it is accepted, before anything is read; a
+    connection of the same user must send its request within
+    :data:`REQUEST_DEADLINE_S`, and at most :data:`MAX_AWAITING_REQUEST`
+    may be awaited at once (the oldest is cut off to make room). An
+    importer sends its request as it connects, so neither limit touches
+    one. Once a request names an export, the connection lasts as long as
+    the export: one per token, at most.
+    """
 
     def __init__(self, driver: LoopDriver) -> None:
         self._driver = driver
@@ -136,17 +301,33 @@ class _Relay:
             raise
         self._listener = listener
         self._connections: set[socket.socket] = set()
+        # Connections whose request is not in yet, oldest first, and when each
+        # is cut off; those cut off (their tasks answer and close them).
+        self._awaiting: dict[socket.socket, float] = {}
+        self._cut_off: set[socket.socket] = set()
+        self._deadlines = driver.chain(self._cut_off_late)
+        self._warned_at = -math.inf
         if not driver.spawn_system_task(self._serve, "asyncfence relay"):
             listener.close()
             raise RuntimeError("cannot export a fence: the event loop is shutting down")
         _live_relays.add(self)
 
-    def export(self, core: FenceCore, settled: Callable[[], Awaitable[None]]) -> FenceToken:
+    def export(self, core: FenceCore) -> FenceToken:
         secret = secrets.token_bytes(SECRET_BYTES)
         exported = core.export_marker()  # DeviceError: the fence cannot be exported
         handle, kept = (None, None) if exported is None else exported
-        self._exports[secret] = _Export(core, settled, kept)
-        return FenceToken(self.address, secret, os.getpid(), core.backend.name, handle)
+        self._exports[secret] = _Export(core, kept)
+        identity = this_process()
+        return FenceToken(
+            address=self.address,
+            secret=secret,
+            producer_pid=identity.pid,
+            backend=core.backend.name,
+            producer_started=identity.started,
+            host=identity.host,
+            pid_namespace=identity.pid_namespace,
+            interprocess=handle,
+        )
 
     def _release_export(self, export: _Export) -> None:
         if export.kept is not None:
@@ -155,64 +336,174 @@ class _Relay:
             except Exception:
                 _logger.exception("asyncfence: releasing an exported fence's handle failed")
 
+    # -- accepting -------------------------------------------------------------------
+
     async def _serve(self) -> None:
-        """Accept importers for as long as the loop runs; each gets a task of its own."""
+        """Accept importers for as long as the loop runs; each gets a task of its own.
+
+        No error of ``accept()`` ends it: short of descriptors, it makes room
+        and tries again a moment later, and the importers queued meanwhile
+        wait in the listening socket's backlog. Only the loop's end does,
+        and then the importers still waiting see the end of the stream.
+        """
         listener = self._listener
+        driver = self._driver
         try:
             while True:
-                await self._driver.wait_readable(listener.fileno())
-                while True:
+                await driver.wait_readable(listener.fileno())
+                # A batch at a time: a flood of connections never holds the loop.
+                for _ in range(ACCEPT_BATCH):
                     try:
                         connection, _ = listener.accept()
                     except (BlockingIOError, InterruptedError):
                         break
-                    except OSError:
-                        # Out of descriptors, say. Closing the socket ends the
-                        # waits of those queued behind it (end of stream):
-                        # better than leaving them to hang.
-                        _logger.exception("asyncfence: the fence relay cannot accept; it stops")
-                        return
-                    connection.setblocking(False)
-                    self._connections.add(connection)
-                    if not self._driver.spawn_system_task(
-                        lambda connection=connection: self._answer(connection),  # type: ignore[misc]
-                        "asyncfence relay answer",
-                    ):
-                        self._close(connection)
+                    except OSError as error:
+                        await self._accept_failed(error)
+                        break
+                    self._admit(connection)
         finally:
-            # Cancelled with its loop, or stopped: the importers still waiting
-            # see the end of the stream, and the exports are gone.
             listener.close()
             # Never imported, so never opened: nobody can wait on their handles.
             exports, self._exports = self._exports, {}
             for export in exports.values():
                 self._release_export(export)
-            if self._driver.relay is self:
-                self._driver.relay = None
+            if driver.relay is self:
+                driver.relay = None
             _live_relays.discard(self)
 
-    async def _answer(self, connection: socket.socket) -> None:
-        export: _Export | None = None
+    async def _accept_failed(self, error: OSError) -> None:
+        """After ``accept()`` failed: make room if short of a resource, and pause a moment.
+
+        Short of descriptors, the connections that have sent no request for
+        a moment give theirs up (an importer sends its request as it
+        connects): idle connections cannot keep an importer out.
+        """
+        if error.errno in _SHORT_OF_RESOURCES:
+            now = time.monotonic()
+            if now - self._warned_at > _WARN_EVERY_S:
+                self._warned_at = now
+                _logger.warning(
+                    "asyncfence: the fence relay cannot accept (%s); the importers wait "
+                    "until a connection closes, and idle connections are cut off",
+                    error,
+                )
+            awaited_since = now + REQUEST_DEADLINE_S - ACCEPT_RETRY_S
+            for connection, due in list(self._awaiting.items()):  # oldest first
+                if due > awaited_since:
+                    break
+                self._cut(connection)
+        elif error.errno not in _TRANSIENT:
+            _logger.error("asyncfence: the fence relay's accept() failed: %s; retrying", error)
+        await self._driver.suspend(self._driver.new_waiter(), ACCEPT_RETRY_S)
+
+    def _admit(self, connection: socket.socket) -> None:
+        """A new connection: refuse another user at once, else answer it in a task."""
         try:
-            try:
-                answer, export = await self._answer_for(connection)
-            except FenceError as error:  # the wait itself failed (forked, say)
-                answer = ANSWER_ERROR + str(error).encode()
-            except Exception:
-                _logger.exception("asyncfence: the fence relay failed to answer an import")
-                answer = ANSWER_ERROR + b"the exporting process failed to answer"
-            with contextlib.suppress(OSError):  # the importer went away
-                # A few hundred bytes on a fresh socket: never blocks.
-                connection.send(frame(answer))
-            if export is not None and export.kept is not None:
-                # The importer may still wait on the handle with its device:
-                # it is freed once the importer closes (or dies). Cancelled
-                # before that (this loop ends), it is left to the process's
-                # end: freeing it under a waiting importer is undefined.
-                await self._until_closed(connection)
-                self._release_export(export)
+            connection.setblocking(False)
+            uid = peer_credentials(connection).uid
+        except OSError:
+            connection.close()
+            return
+        if uid != os.geteuid():
+            # Before reading anything: another user holds nothing here.
+            with contextlib.suppress(OSError):
+                connection.send(
+                    frame(ANSWER_REFUSED + b"the token was presented by a process of another user"),
+                    socket.MSG_NOSIGNAL,
+                )
+                connection.shutdown(socket.SHUT_WR)
+            connection.close()
+            return
+        self._connections.add(connection)
+        if not self._driver.spawn_system_task(
+            lambda: self._answer(connection),
+            "asyncfence relay answer",
+        ):
+            self._close(connection)
+
+    # -- connections without a request -------------------------------------------------
+
+    def _await_request(self, connection: socket.socket) -> None:
+        """``connection`` sent no request yet: give it a deadline, and make room for it."""
+        self._awaiting[connection] = time.monotonic() + REQUEST_DEADLINE_S
+        if len(self._awaiting) > MAX_AWAITING_REQUEST:
+            self._cut(next(iter(self._awaiting)))
+        self._deadlines.ensure(REQUEST_DEADLINE_S)
+
+    def _cut(self, connection: socket.socket) -> None:
+        """Stop awaiting ``connection``'s request: its task reads the end of the stream."""
+        del self._awaiting[connection]
+        self._cut_off.add(connection)
+        with contextlib.suppress(OSError):
+            connection.shutdown(socket.SHUT_RD)  # wakes the task that waits on it
+
+    def _cut_off_late(self) -> float | None:
+        """The deadlines' chain step: cut off what is due; the delay to the next one."""
+        now = time.monotonic()
+        for connection, due in list(self._awaiting.items()):  # oldest first
+            if due > now:
+                return due - now
+            self._cut(connection)
+        return None
+
+    # -- answering ---------------------------------------------------------------------
+
+    async def _answer(self, connection: socket.socket) -> None:
+        try:
+            request = await self._request(connection)
+            if request is None:
+                refusal = ANSWER_ERROR + b"no request came within the relay's deadline"
+                with contextlib.suppress(OSError):
+                    connection.send(frame(refusal), socket.MSG_NOSIGNAL)
+                return
+            secret = parse_request(request)
+            export = None if secret is None else self._exports.pop(secret, None)
+            if export is None:
+                why = (
+                    b"that is not an asyncfence token"
+                    if secret is None
+                    else b"no such export: the token is forged, or was used already"
+                )
+                with contextlib.suppress(OSError):
+                    connection.send(frame(ANSWER_REFUSED + why), socket.MSG_NOSIGNAL)
+                return
+            await self._answer_export(connection, export)
+        except Exception:  # a system task must not raise: it would end a trio run
+            _logger.exception("asyncfence: the fence relay failed to answer an import")
         finally:
             self._close(connection)
+
+    async def _answer_export(self, connection: socket.socket, export: _Export) -> None:
+        """Answer once the fence settles; then, with a handle, free it once the importer closes."""
+        kept = export.kept is not None
+        if kept:
+            # The token is good: from now the importer's device may end its wait.
+            with contextlib.suppress(OSError):
+                connection.send(frame(ANSWER_ACCEPTED), socket.MSG_NOSIGNAL)
+        answer = _Answer(connection, shut_after=not kept)
+        core = export.core
+        poller = poller_of(self._driver)
+        try:
+            state = core.poll()
+        except FenceError as error:  # recorded before this process forked
+            answer.send(error)
+        else:
+            if state != PENDING or not core.on_settle(answer):
+                answer.send(core.outcome())
+            else:
+                poller.add(core, answer, current_config().strategy)
+        try:
+            # Until the importer closes its end (it sends nothing more), or,
+            # without a handle, the answer shuts this end down.
+            await self._until_closed(connection)
+        finally:
+            if not answer.sent:  # the importer went away, or the loop ends
+                core.forget_listener(answer)
+            poller.discard(core, answer)  # a no-op once the poller woke it
+        # The importer closed: nothing waits on the handle now. (Cancelled
+        # before, by the loop's end, it is left to the process's end: freeing
+        # it under a waiting importer is undefined.)
+        self._release_export(export)
 
     async def _until_closed(self, connection: socket.socket) -> None:
         """Until the importer closes its end: a request is all it ever sends."""
@@ -227,56 +518,35 @@ class _Relay:
 
     def _close(self, connection: socket.socket) -> None:
         self._connections.discard(connection)
+        self._awaiting.pop(connection, None)
+        self._cut_off.discard(connection)
         connection.close()
 
-    async def _answer_for(self, connection: socket.socket) -> tuple[bytes, _Export | None]:
-        _pid, uid, _gid = _PEER_CREDENTIALS.unpack(
-            connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER_CREDENTIALS.size)
-        )
-        # Read before any answer: a socket closed with a request unread
-        # resets, and the importer would lose the answer.
-        request = await self._request(connection)
-        if uid != os.geteuid():
-            return ANSWER_REFUSED + b"the token was presented by a process of another user", None
-        if len(request) != REQUEST_BYTES or not request.startswith(PROTOCOL):
-            return ANSWER_REFUSED + b"that is not an asyncfence token", None
-        export = self._exports.pop(request[len(PROTOCOL) :], None)
-        if export is None:
-            return (
-                ANSWER_REFUSED + b"no such export: the token is forged, or was used already",
-                None,
-            )
-        if export.kept is not None:
-            with contextlib.suppress(OSError):  # the importer went away
-                connection.send(frame(ANSWER_ACCEPTED))
-        try:
-            await export.settled()
-        except DeviceError as error:
-            return (
-                ANSWER_FAILED
-                + json.dumps(
-                    {
-                        "backend": error.backend,
-                        "code": error.code,
-                        "name": error.name,
-                        "detail": error.detail,
-                    }
-                ).encode()
-            ), export
-        return ANSWER_DONE, export
+    async def _request(self, connection: socket.socket) -> bytes | None:
+        """The request, up to its length or the end of stream; ``None`` if it was cut off.
 
-    async def _request(self, connection: socket.socket) -> bytes:
-        """The importer's request: up to its length, or what came before the end of stream."""
+        An importer sends its request as it connects: it is usually read at
+        once, and only a connection that has not sent it is given a deadline.
+        """
         request = b""
-        while len(request) < REQUEST_BYTES:
-            try:
-                chunk = connection.recv(REQUEST_BYTES - len(request))
-            except (BlockingIOError, InterruptedError):
-                await self._driver.wait_readable(connection.fileno())
-                continue
-            if not chunk:
-                break
-            request += chunk
+        try:
+            while len(request) < REQUEST_BYTES:
+                try:
+                    chunk = connection.recv(REQUEST_BYTES - len(request))
+                except (BlockingIOError, InterruptedError):
+                    if connection not in self._awaiting:
+                        self._await_request(connection)
+                    await self._driver.wait_readable(connection.fileno())
+                    continue
+                except OSError:  # reset
+                    break
+                if not chunk:
+                    if connection in self._cut_off:
+                        return None
+                    break
+                request += chunk
+        finally:
+            self._awaiting.pop(connection, None)
         return request
 
     def close_in_forked_child(self) -> None:
@@ -285,6 +555,7 @@ class _Relay:
         for connection in self._connections:
             connection.close()
         self._connections.clear()
+        self._awaiting.clear()
         self._exports.clear()
 
 
@@ -302,14 +573,11 @@ def _close_relays_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_close_relays_in_child)
+this_process()  # read now, off any loop: an export reads it again only after a fork
 
 
-def export_core(core: FenceCore, settled: Callable[[], Awaitable[None]]) -> FenceToken:
-    """Export ``core`` on the running loop's relay (see :meth:`asyncfence.Fence.export`).
-
-    ``settled`` waits for it on this loop (its fence's ``wait``): the relay
-    awaits it to answer the importer, and needs nothing else of the fence.
-    """
+def export_core(core: FenceCore) -> FenceToken:
+    """Export ``core`` on the running loop's relay (see :meth:`asyncfence.Fence.export`)."""
     if not sys.platform.startswith("linux"):
         raise NotImplementedError(
             "exporting a fence needs Linux: its relay is a Unix socket in Linux's abstract "
@@ -325,4 +593,4 @@ def export_core(core: FenceCore, settled: Callable[[], Awaitable[None]]) -> Fenc
     relay = driver.relay
     if not isinstance(relay, _Relay):
         relay = driver.relay = _Relay(driver)
-    return relay.export(core, settled)
+    return relay.export(core)

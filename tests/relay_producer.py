@@ -5,10 +5,16 @@ hex of the pickled :class:`~asyncfence.FenceToken`, then obeys one command a
 line on stdin, read by its event loop (no thread): ``release`` or ``fail`` the
 gate; ``fault`` (a sticky fault, on the emulated CUDA driver);
 ``release-and-block`` (release it, then block the loop until the next line:
-no relay answers meanwhile); ``export`` another token of the same fence
-(printed likewise); ``threads`` (the names of its Python threads, printed
-likewise); ``die`` (``os._exit`` at once, as a crash would); or ``quit`` (end
-the loop).
+no relay answers meanwhile); ``fail-await-block`` or ``fault-await-block``
+(fail the work, await the fence as the producer's own code would, and once
+that raised, block the loop until the next line); ``export`` another token
+of the same fence (printed likewise); ``waiters`` (how many waits its loop
+has, printed likewise: the relay's included); ``threads`` (the names of its
+Python threads, printed likewise); ``die`` (``os._exit`` at once, as a crash
+would); or ``quit`` (end the loop).
+
+With ``ASYNCFENCE_TEST_SPARE_FDS=N`` in its environment it may open only N
+more descriptors than it holds once its fence is exported.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ async def _produce(backend: str) -> None:
         sys.stdout.flush()
 
     say(fence.export())
+    _limit_descriptors()
     commands = _Commands()
     while (command := await commands.next()) != "quit":
         if command == "release":
@@ -48,13 +55,36 @@ async def _produce(backend: str) -> None:
             gate.fail()
         elif command == "fault":
             _fault_emulated_cuda(queue)
+        elif command in ("fail-await-block", "fault-await-block"):
+            if command == "fail-await-block":
+                gate.fail()
+            else:
+                _fault_emulated_cuda(queue)
+            try:
+                await fence
+            except asyncfence.DeviceError:
+                commands.next_blocking()  # the loop stops here, as soon as this task runs
         elif command == "export":
             say(fence.export())
+        elif command == "waiters":
+            say(asyncfence.current_statistics().waiters)
         elif command == "threads":
             say(sorted(thread.name for thread in threading.enumerate()))
         elif command == "die":
             os._exit(3)
     gate.release()
+
+
+def _limit_descriptors() -> None:
+    spare = os.environ.get("ASYNCFENCE_TEST_SPARE_FDS")
+    if spare is not None:
+        import resource
+
+        # The limit is on descriptor numbers: past the highest held (any
+        # gap below it is spare too, so "about N").
+        highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1 + int(spare), hard))
 
 
 def _fault_emulated_cuda(stream: Any) -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from typing import TYPE_CHECKING
 
 import pytest
@@ -21,6 +23,7 @@ from .cuda_emulator import (
     OLDEST_CUDA_H,
     SOURCE,
     Emulator,
+    _private_cache,
     build,
     compiler,
     cuda_include_dir,
@@ -192,3 +195,52 @@ def test_a_compiler_that_fails_silently_still_gives_a_reason(
     assert message.startswith("compiling the emulated CUDA driver failed: ")
     assert message.endswith(": no output")
     assert "exited 1" in message
+
+
+# -- the cache: a driver library another user could plant is never loaded -----------
+
+
+def test_the_cache_folder_is_made_for_this_user_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cache = _private_cache("cache")
+    assert cache == tmp_path / "cache"
+    status = cache.lstat()
+    assert status.st_uid == os.geteuid()
+    assert stat.S_IMODE(status.st_mode) & 0o077 == 0
+    assert _private_cache("cache") == cache  # found again, and kept
+
+
+@pytest.mark.parametrize("planted", ["open to all", "a link", "another user's"])
+def test_a_cache_folder_someone_else_could_write_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: str
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    squatted = tmp_path / "cache"
+    if planted == "a link":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        squatted.symlink_to(tmp_path / "elsewhere")
+    else:
+        squatted.mkdir()
+        squatted.chmod(0o777)
+        if planted == "another user's":
+            if os.geteuid() != 0:
+                pytest.skip("giving a folder to another user needs root")
+            squatted.chmod(0o700)
+            os.chown(squatted, 65534, 65534)
+    cache = _private_cache("cache")
+    assert cache != squatted
+    assert cache.parent == tmp_path
+    assert cache.name.startswith("asyncfence-emulated-cuda-")
+    assert stat.S_IMODE(cache.lstat().st_mode) == 0o700
+
+
+def test_a_cached_library_others_could_write_is_built_again(cc: list[str], tmp_path: Path) -> None:
+    planted = tmp_path / "libcuda.so.1"
+    planted.write_bytes(b"not a driver")
+    planted.chmod(0o666)
+    library = build(tmp_path, cuda_h=False)
+    assert library == planted
+    assert library.read_bytes() != b"not a driver"  # replaced by a build of ours
+    assert built_with_cuda_h(library) == 0

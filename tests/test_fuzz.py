@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import math
+import socket
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -11,7 +14,23 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import asyncfence
-from asyncfence import DeviceError, DriverNotFoundError, DropQueue
+from asyncfence import DeviceError, DriverNotFoundError, DropQueue, FenceError
+from asyncfence._relay import (
+    ANSWER_ACCEPTED,
+    ANSWER_DONE,
+    ANSWER_ERROR,
+    ANSWER_FAILED,
+    ANSWER_LIMIT,
+    ANSWER_REFUSED,
+    LENGTH,
+    PROTOCOL,
+    REQUEST_BYTES,
+    SECRET_BYTES,
+    parse_answer,
+    parse_request,
+    take_message,
+)
+from asyncfence.testing import hold
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -180,3 +199,122 @@ def test_a_fence_from_another_context_is_refused(device: Any) -> None:
         fence = asyncfence.record(queue)
         with pytest.raises(ValueError, match="context"):
             fence.enqueue_wait(other)
+
+
+# -- the relay's protocol, both ways ----------------------------------------------------
+
+requests = st.one_of(
+    st.binary(max_size=80),
+    st.binary(min_size=REQUEST_BYTES, max_size=REQUEST_BYTES),
+    st.builds(lambda tail: PROTOCOL + tail, st.binary(max_size=40)),
+    st.builds(lambda n: PROTOCOL + bytes(n), st.integers(min_value=0, max_value=2 * SECRET_BYTES)),
+)
+framed = st.builds(lambda body: LENGTH.pack(len(body)) + body, st.binary(max_size=64))
+failure_json = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=8,
+)
+answers = st.one_of(
+    st.binary(max_size=40),
+    st.sampled_from([ANSWER_DONE, ANSWER_ACCEPTED]).map(lambda kind: kind + b""),
+    st.builds(
+        lambda kind, body: kind + body,
+        st.sampled_from([ANSWER_DONE, ANSWER_FAILED, ANSWER_REFUSED, ANSWER_ERROR, b"?"]),
+        st.binary(max_size=40),
+    ),
+    st.builds(
+        lambda fields: ANSWER_FAILED + json.dumps(fields).encode(),
+        st.fixed_dictionaries(
+            {"backend": failure_json, "code": failure_json, "name": failure_json},
+            optional={"detail": failure_json},
+        ),
+    ),
+    st.just(ANSWER_FAILED + b"[" * 100_000),
+    st.just(ANSWER_FAILED + b'{"backend": "b", "code": Infinity, "name": "n", "detail": ""}'),
+)
+
+
+@FUZZ
+@given(request=requests)
+def test_any_request_is_a_secret_or_nothing(request: bytes) -> None:
+    secret = parse_request(request)
+    well_formed = len(request) == REQUEST_BYTES and request.startswith(PROTOCOL)
+    assert secret == (request[len(PROTOCOL) :] if well_formed else None)
+
+
+@FUZZ
+@given(stream=st.lists(st.one_of(framed, st.binary(max_size=16)), max_size=6))
+def test_any_bytes_from_an_exporter_frame_into_messages_or_a_clear_error(
+    stream: list[bytes],
+) -> None:
+    whole = b"".join(stream)
+    buffer = bytearray(whole)
+    messages: list[bytes] = []
+    refusal = ""
+    try:
+        while (message := take_message(buffer)) is not None:
+            messages.append(message)
+    except ValueError as error:
+        refusal = str(error)
+    framed_again = b"".join(LENGTH.pack(len(m)) + m for m in messages)
+    assert whole == framed_again + buffer  # nothing lost, nothing made up
+    assert all(len(message) <= ANSWER_LIMIT for message in messages)
+    if refusal:  # stopped at a length no answer has
+        (length,) = LENGTH.unpack_from(buffer)
+        assert length > ANSWER_LIMIT
+        assert "no asyncfence answer" in refusal
+
+
+@FUZZ
+@given(answer=answers)
+def test_any_answer_parses_to_done_or_a_fence_error(answer: bytes) -> None:
+    parsed = parse_answer(answer)
+    if answer == ANSWER_DONE:
+        assert parsed is None
+    else:
+        assert isinstance(parsed, FenceError)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(garbage=st.lists(requests, min_size=20, max_size=60))
+def test_a_relay_fed_garbage_refuses_each_and_still_serves_its_export(
+    device: Any, garbage: list[bytes]
+) -> None:
+    # Garbage on raw connections, from a thread, while the loop serves; then
+    # the export it never saw is imported and answered as ever.
+    async def main() -> list[FenceError | str | None]:
+        queue = device.new_stream()
+        with hold(queue) as gate:
+            token = asyncfence.record(queue).export()
+            outcomes = await asyncio.to_thread(_send_each, token.address, garbage)
+            imported = asyncfence.import_fence(token)
+            gate.release()
+            await asyncio.wait_for(imported.wait(), timeout=30)
+        return outcomes
+
+    for outcome in asyncio.run(main()):
+        assert isinstance(outcome, FenceError), outcome
+
+
+def _send_each(address: str, payloads: list[bytes]) -> list[FenceError | str | None]:
+    """Send each payload on a connection of its own, then read what the relay answered."""
+    outcomes: list[FenceError | str | None] = []
+    for payload in payloads:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(30)
+            connection.connect("\0" + address)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                connection.sendall(payload)
+                connection.shutdown(socket.SHUT_WR)  # a short request ends here
+            received = bytearray()
+            # The answer, then the end of the stream; a reset once the relay
+            # closed with more sent than a request (read first, still).
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := connection.recv(4096):
+                    received += chunk
+            message = take_message(received)
+            outcomes.append("no answer" if message is None else parse_answer(message))
+    return outcomes

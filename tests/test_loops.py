@@ -6,6 +6,7 @@ import asyncio
 import gc
 import sys
 import threading
+import types
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -415,3 +416,22 @@ def test_a_failed_await_frees_the_awaiting_coroutines_locals_without_the_collect
     assert _frees_its_locals_at_once(
         "asyncio", wait, lambda _: gate.fail(-5), asyncfence.DeviceError
     )
+
+
+async def test_waits_on_asyncio_go_on_while_another_thread_imports_trio(
+    queue: cl.CommandQueue, monkeypatch: pytest.MonkeyPatch, anyio_backend: tuple[str, Any]
+) -> None:
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("a trio run has trio imported whole")
+    # What sys.modules holds while another thread runs trio's __init__: a
+    # module with none of its attributes yet (trio.lowlevel is bound last).
+    half_imported = types.ModuleType("trio")
+    monkeypatch.setitem(sys.modules, "trio", half_imported)
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        with pytest.raises(TimeoutError):
+            await fence.wait(timeout=0)
+        gate.release()
+    await fence
+    await fence.wait(timeout=HANG_GUARD_S, strategy="park")
+    assert fence.done()

@@ -12,9 +12,10 @@ import contextlib
 import os
 import pickle
 import secrets
+import socket
+import struct
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,13 +24,21 @@ import anyio
 import pytest
 
 import asyncfence
-from asyncfence import DeviceError, FenceError, FenceLostError, FenceToken, TokenRefusedError
+from asyncfence import (
+    DeviceError,
+    FenceError,
+    FenceLostError,
+    FenceToken,
+    TokenRefusedError,
+    _relay,
+)
+from asyncfence._peer import process_started, this_process
 from asyncfence.testing import open_default_device
 
 from .conftest import let_loop_run, until
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from asyncfence.testing import Device, StreamGate
 
@@ -109,6 +118,9 @@ def producer(request: pytest.FixtureRequest) -> Iterator[Producer]:
         _cuda_devices.setdefault("cuda", open_default_device("cuda"))
         if request.node.get_closest_marker("fails_a_gate"):
             pytest.skip("the host cannot fail a CUDA stream")
+    spare = request.node.get_closest_marker("spare_descriptors")
+    if spare is not None:
+        env["ASYNCFENCE_TEST_SPARE_FDS"] = str(spare.args[0])
     started = Producer(loop, backend, env)
     try:
         yield started
@@ -235,28 +247,22 @@ def test_bad_tokens_are_refused_before_any_connection() -> None:
         asyncfence.import_fence("not a token")  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(
+needs_root = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0, reason="becoming another user needs root"
 )
-def test_a_token_presented_by_another_user_is_refused(producer: Producer) -> None:
+_NOBODY = 65534
+
+
+def as_another_user(work: Callable[[], str]) -> str:
+    """What ``work()`` returns, run in a forked child as the user nobody (or how it failed)."""
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:  # the child: another user, with asyncfence imported already
-        outcome = "no answer"
+        outcome = "no outcome"
         try:
-            os.setgid(65534)
-            os.setuid(65534)
-            imported = asyncfence.import_fence(producer.token)
-            deadline = time.monotonic() + _GUARD_S
-            while time.monotonic() < deadline:
-                try:
-                    if imported.done():
-                        outcome = "done"
-                        break
-                except TokenRefusedError as refused:
-                    outcome = f"refused: {refused}"
-                    break
-                time.sleep(0.01)  # a forked child of the test, not a loop
+            os.setgid(_NOBODY)
+            os.setuid(_NOBODY)
+            outcome = work()
         except BaseException as error:
             outcome = repr(error)
         finally:
@@ -265,9 +271,41 @@ def test_a_token_presented_by_another_user_is_refused(producer: Producer) -> Non
     os.close(write_end)
     os.waitpid(child, 0)
     with os.fdopen(read_end, "rb") as answer:
-        outcome = answer.read().decode()
+        return answer.read().decode()
+
+
+def _raw_connection(token: FenceToken) -> socket.socket:
+    """A connection to the token's relay that sends nothing (blocking, with a guard)."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.settimeout(_GUARD_S)
+    connection.connect("\0" + token.address)
+    return connection
+
+
+def _read_answer(connection: socket.socket) -> bytes:
+    """The first answer the relay sends on ``connection``, then the end of its stream."""
+    received = b""
+    while chunk := connection.recv(4096):
+        received += chunk
+    (length,) = struct.unpack_from("!I", received)
+    assert len(received) == 4 + length, received
+    return received[4:]
+
+
+@needs_root
+def test_a_token_presented_by_another_user_is_refused(producer: Producer) -> None:
+    def import_it() -> str:
+        try:
+            asyncfence.import_fence(producer.token)
+        except TokenRefusedError as refused:
+            return f"refused: {refused}"
+        return "imported"
+
+    outcome = as_another_user(import_it)
+    # Refused before the secret was sent: the importer checks the listener.
     assert outcome.startswith("refused: "), outcome
     assert "another user" in outcome
+    assert "secret was not sent" in outcome
 
     async def the_owner_still_gets_its_answer() -> None:
         imported = asyncfence.import_fence(producer.token)  # not used up by the refusal
@@ -276,6 +314,13 @@ def test_a_token_presented_by_another_user_is_refused(producer: Producer) -> Non
             await imported
 
     anyio.run(the_owner_still_gets_its_answer)
+
+
+@needs_root
+def test_another_user_is_answered_at_accept_before_sending_anything(producer: Producer) -> None:
+    # Not through import_fence: a raw connection that never sends a byte.
+    outcome = as_another_user(lambda: _read_answer(_raw_connection(producer.token)).decode())
+    assert outcome == "Rthe token was presented by a process of another user"
 
 
 @pytest.mark.usefixtures("no_thread_from_asyncfence")
@@ -368,10 +413,41 @@ def test_an_imported_fence_is_made_by_import_fence_and_never_pickled(gate: Strea
     anyio.run(main)
 
 
+def _token_here(**fields: Any) -> FenceToken:
+    """A token of this process, on this host, naming no export (fields as given)."""
+    identity = this_process()
+    token = FenceToken(
+        address="asyncfence-nowhere",
+        secret=bytes(32),
+        producer_pid=identity.pid,
+        backend="opencl",
+        producer_started=identity.started,
+        host=identity.host,
+        pid_namespace=identity.pid_namespace,
+    )
+    return replace(token, **fields)
+
+
 def test_a_secret_of_the_wrong_length_is_refused() -> None:
-    token = FenceToken("asyncfence-nowhere", b"short", os.getpid(), "opencl")
     with pytest.raises(ValueError, match="32 bytes"):
-        asyncfence.import_fence(token)
+        asyncfence.import_fence(_token_here(secret=b"short"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("address", b"asyncfence-nowhere"),
+        ("secret", "x" * 32),
+        ("producer_pid", "1"),
+        ("producer_started", None),
+        ("host", 7),
+        ("pid_namespace", True),
+        ("interprocess", "handle"),
+    ],
+)
+def test_a_token_with_a_field_of_the_wrong_type_is_refused(field: str, value: object) -> None:
+    with pytest.raises(TypeError, match=field if field != "interprocess" else "interprocess"):
+        asyncfence.import_fence(_token_here(**{field: value}))
 
 
 # -- CUDA: the importer's own device waits on the exporter's interprocess event ---------
@@ -438,3 +514,248 @@ async def test_an_opencl_import_has_no_device_wait(producer: Producer, queue: An
     producer.send("release")
     with anyio.fail_after(_GUARD_S):
         await imported
+
+
+# -- trust: every outcome crosses, and no other process can stop or pose as a relay ---
+
+
+async def _until_the_relay_waits(producer: Producer) -> None:
+    """Until the producer's relay waits on the fence (its answer is one of the loop's waits)."""
+    with anyio.fail_after(_GUARD_S):
+        while True:
+            producer.send("waiters")
+            if await anyio.to_thread.run_sync(producer.read) == 1:
+                return
+            await anyio.sleep(0.01)
+
+
+async def test_a_failure_crosses_though_the_producer_awaits_it_and_then_blocks(
+    producer: Producer, request: pytest.FixtureRequest
+) -> None:
+    # The producer's own task awaits the fence too, and once woken by its
+    # failure never gives its loop back: the answer must be out by then.
+    if producer.backend == "cuda":
+        request.getfixturevalue("emulated_driver")  # its hooks fault the context
+    imported = asyncfence.import_fence(producer.token)
+    await _until_the_relay_waits(producer)
+    producer.send("fail-await-block" if producer.backend == "opencl" else "fault-await-block")
+    with anyio.fail_after(_GUARD_S), pytest.raises(DeviceError) as raised:
+        await imported
+    assert raised.value.backend == producer.backend
+    producer.send("unblock")
+
+
+def _relay_only(producer: Producer) -> None:
+    """Skip the CUDA producer where a test is about the relay alone, the same on every backend.
+
+    (The emulated driver keeps a descriptor per interprocess event: short of
+    descriptors, it could not export.)
+    """
+    if producer.backend != "opencl":
+        pytest.skip("the relay is the same on every backend; tested on OpenCL's")
+
+
+@pytest.mark.spare_descriptors(24)
+async def test_imports_beyond_the_producers_descriptors_wait_and_all_complete(
+    producer: Producer,
+) -> None:
+    _relay_only(producer)
+    # Each answer holds a descriptor until the work is done: most imports wait
+    # in the backlog meanwhile, and none is lost, refused or called forged.
+    count = 80
+    tokens = []
+    for _ in range(count):
+        producer.send("export")
+        tokens.append(await anyio.to_thread.run_sync(producer.read_token))
+    imported = [asyncfence.import_fence(token) for token in tokens]
+    await let_loop_run()
+    producer.send("release")
+    outcomes: list[str] = []
+
+    async def wait(fence: asyncfence.ImportedFence) -> None:
+        try:
+            await fence
+        except FenceError as error:
+            outcomes.append(repr(error))
+        else:
+            outcomes.append("done")
+
+    with anyio.fail_after(_GUARD_S * 3):
+        async with anyio.create_task_group() as tg:
+            for fence in imported:
+                tg.start_soon(wait, fence)
+    assert outcomes == ["done"] * count
+
+
+@needs_root
+@pytest.mark.spare_descriptors(24)
+async def test_idle_connections_of_another_user_hold_nothing_of_the_producers(
+    producer: Producer,
+) -> None:
+    _relay_only(producer)
+    # Far more than the producer's spare descriptors, held open by another
+    # user until the owner's import completes.
+    ready_read, ready_write = os.pipe()
+    go_read, go_write = os.pipe()
+    address = producer.token.address
+
+    def hold_connections() -> str:
+        connections = []
+        for _ in range(400):
+            connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            connection.connect("\0" + address)
+            connections.append(connection)
+        os.write(ready_write, b"r")
+        os.read(go_read, 1)
+        answered = sum(1 for c in connections if _answered_and_closed(c))
+        return str(answered)
+
+    child_outcome: list[str] = []
+
+    def run_child() -> None:
+        child_outcome.append(as_another_user(hold_connections))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, run_child)
+        with anyio.fail_after(_GUARD_S):
+            assert await anyio.to_thread.run_sync(os.read, ready_read, 1) == b"r"
+            imported = asyncfence.import_fence(producer.token)
+            producer.send("release")
+            await imported
+        os.write(go_write, b"g")
+    for fd in (ready_read, ready_write, go_read, go_write):
+        os.close(fd)
+    # Every one was refused and closed by the producer, none left open.
+    assert child_outcome == ["400"]
+
+
+def _answered_and_closed(connection: socket.socket) -> bool:
+    connection.settimeout(_GUARD_S)
+    try:
+        answer = _read_answer(connection)
+    except (OSError, struct.error):
+        return False
+    return answer.startswith(b"R") and b"another user" in answer
+
+
+@pytest.mark.spare_descriptors(24)
+async def test_idle_connections_of_the_same_user_are_cut_off_and_imports_complete(
+    producer: Producer,
+) -> None:
+    _relay_only(producer)
+    idle = [_raw_connection(producer.token) for _ in range(300)]
+    try:
+        imported = asyncfence.import_fence(producer.token)
+        producer.send("release")
+        with anyio.fail_after(_GUARD_S):
+            await imported
+        # Past 64 waiting for a request, the oldest were cut off to make room.
+        answers = await anyio.to_thread.run_sync(
+            lambda: [_read_answer(connection) for connection in idle[:-64]]
+        )
+        assert set(answers) == {b"Eno request came within the relay's deadline"}
+    finally:
+        for connection in idle:
+            connection.close()
+
+
+async def test_a_connection_that_sends_no_request_is_cut_off_at_its_deadline(
+    gate: StreamGate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_relay, "REQUEST_DEADLINE_S", 0.05)
+    token = asyncfence.record(gate.stream).export()
+    idle = _raw_connection(token)
+    idle.setblocking(False)
+    try:
+        with anyio.fail_after(_GUARD_S):
+            await anyio.wait_readable(idle)
+            answer = idle.recv(4096)
+        assert answer == _relay.frame(
+            _relay.ANSWER_ERROR + b"no request came within the relay's deadline"
+        )
+        with anyio.fail_after(_GUARD_S):
+            await anyio.wait_readable(idle)
+        assert idle.recv(4096) == b""  # and closed
+    finally:
+        idle.close()
+        gate.release()
+    imported = asyncfence.import_fence(token)  # the export was untouched
+    with anyio.fail_after(_GUARD_S):
+        await imported
+
+
+def _squat(address: str, ready_write: int) -> str:
+    """Listen at a dead exporter's address, answer "done" to all, report what came."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + address)
+    listener.listen()
+    listener.settimeout(_GUARD_S)
+    os.write(ready_write, b"r")
+    received = b""
+    with contextlib.suppress(TimeoutError):
+        connection, _ = listener.accept()
+        connection.settimeout(1.0)  # the importer sends at once, if ever
+        # The importer may have closed already: it refused to talk to this.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            connection.sendall(_relay.frame(_relay.ANSWER_DONE))
+        # What it sent comes first, then the end, or a reset (it closed with
+        # the answer unread), or nothing more (an old importer awaits the answer).
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while chunk := connection.recv(4096):
+                received += chunk
+    return received.hex()
+
+
+@pytest.mark.parametrize("squatter", ["another user", "the same user"])
+async def test_a_process_at_a_dead_exporters_address_gets_no_secret(
+    producer: Producer, squatter: str
+) -> None:
+    if squatter == "another user" and os.geteuid() != 0:
+        pytest.skip("becoming another user needs root")
+    producer.send("die")
+    assert await anyio.to_thread.run_sync(producer.process.wait, _GUARD_S) == 3
+    ready_read, ready_write = os.pipe()
+    received: list[str] = []
+
+    def work() -> str:
+        return _squat(producer.token.address, ready_write)
+
+    def squat() -> None:
+        if squatter == "another user":
+            received.append(as_another_user(work))
+            return
+        child = os.fork()  # of the same user, with another pid
+        if child == 0:
+            os.write(ready_write, work().encode() + b"\n")
+            os._exit(0)
+        os.waitpid(child, 0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, squat)
+        with anyio.fail_after(_GUARD_S):
+            assert await anyio.to_thread.run_sync(os.read, ready_read, 1) == b"r"
+        with pytest.raises(FenceLostError, match=r"another process .* listens at its address"):
+            asyncfence.import_fence(producer.token)
+    if squatter == "the same user":
+        received.append(os.read(ready_read, 4096).decode().strip())
+    os.close(ready_read)
+    os.close(ready_write)
+    assert received == [""]  # it accepted the connection, and got not a byte
+
+
+def test_a_token_from_another_host_is_refused_at_import() -> None:
+    boot, _, network = this_process().host.partition("/")
+    with pytest.raises(TokenRefusedError, match="another machine"):
+        asyncfence.import_fence(_token_here(host=f"{boot}x/{network}"))
+    with pytest.raises(TokenRefusedError, match="another network namespace"):
+        asyncfence.import_fence(_token_here(host=f"{boot}/net:1"))
+
+
+def test_a_token_carries_its_exporters_identity(producer: Producer) -> None:
+    token = producer.token
+    assert token.producer_pid == producer.process.pid
+    assert token.producer_started == process_started(producer.process.pid)
+    assert token.host == this_process().host
+    assert token.pid_namespace == this_process().pid_namespace
+    assert "host" not in repr(token)
+    assert "started" not in repr(token)

@@ -19,9 +19,15 @@ __all__ = ["Chain", "LoopDriver", "Waiter", "current_driver", "existing_driver"]
 
 
 def _in_trio() -> bool:
-    """Whether this runs in a trio task (trio is never imported to find out)."""
-    trio = sys.modules.get("trio")
-    return trio is not None and bool(trio.lowlevel.in_trio_task())
+    """Whether this runs in a trio task (trio is never imported to find out).
+
+    Another thread may be importing trio meanwhile: ``sys.modules`` then holds
+    a module still being filled in. Its ``lowlevel`` is bound only once that
+    submodule is whole, and no trio run can have started before: without it,
+    this is no trio task.
+    """
+    lowlevel = getattr(sys.modules.get("trio"), "lowlevel", None)
+    return lowlevel is not None and bool(lowlevel.in_trio_task())
 
 
 def _running_asyncio_loop() -> asyncio.AbstractEventLoop:
@@ -42,8 +48,9 @@ def current_driver() -> LoopDriver:
     Raises:
         RuntimeError: No asyncio or trio loop runs the calling task.
     """
-    trio = sys.modules.get("trio")
-    if trio is not None and trio.lowlevel.in_trio_task():
+    # As _in_trio, written out: a trio still being imported has no lowlevel yet.
+    trio_lowlevel = getattr(sys.modules.get("trio"), "lowlevel", None)
+    if trio_lowlevel is not None and trio_lowlevel.in_trio_task():
         driver: LoopDriver | None = driver_of_run(create=True)
     else:
         loop = _get_running_loop() or _running_asyncio_loop()  # that raises, saying why

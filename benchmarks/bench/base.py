@@ -23,7 +23,10 @@ __all__ = [
     "AUTO",
     "CONTENDER_ORDER",
     "DEVICE_FINISH",
+    "IMPORT_AWAITED",
+    "IMPORT_IDLE",
     "LATE_AFTER_S",
+    "LOCAL_WAITER",
     "NUMBA",
     "PARK",
     "POLL",
@@ -56,6 +59,11 @@ DEVICE_FINISH = "device finished"
 IMPORT = "asyncfence import"
 MESSAGE_AFTER_SYNC = "message after sync"
 POLLED_10MS = "polled, 10 ms"
+# A failure across processes (``relay.py``): the producer's own wait, and the
+# import while the producer is idle or awaits the fence too.
+LOCAL_WAITER = "local waiter"
+IMPORT_IDLE = "import, producer idle"
+IMPORT_AWAITED = "import, producer awaits"
 
 #: A wake later than this is "late" beside a CPU-bound thread: more than two
 #: of CPython's 5 ms GIL switch intervals.
@@ -150,6 +158,9 @@ class BenchConfig:
         saturated_timeout_s: The bound on each trial on the saturated loop.
         cpu_thread_trials: Trials per contender beside a CPU-bound thread.
         cross_process_trials: Trials per way of resuming across processes.
+        relay_failure_trials: Trials of a failure crossing, per way the
+            producer treats its fence.
+        relay_flood_connections: Connections in each flood of the relay.
         out_of_order_trials: Trials per contender of out-of-order parking.
         parked_queues: Held queues with one parked wait each, for threads and RSS.
         parked_cpu_window_s: How long 64 parked waits are watched for CPU.
@@ -182,6 +193,8 @@ class BenchConfig:
     saturated_timeout_s: float = 0.5
     cpu_thread_trials: int = 100
     cross_process_trials: int = 100
+    relay_failure_trials: int = 30
+    relay_flood_connections: int = 1000
     out_of_order_trials: int = 30
     parked_queues: int = 1000
     parked_cpu_window_s: float = 0.5
@@ -214,6 +227,8 @@ class BenchConfig:
             saturated_timeout_s=0.2,
             cpu_thread_trials=6,
             cross_process_trials=6,
+            relay_failure_trials=3,
+            relay_flood_connections=100,
             out_of_order_trials=3,
             parked_queues=100,
             parked_cpu_window_s=0.05,
@@ -252,6 +267,8 @@ class Results:
             and the device queries and signals per fence.
         parked_scaling: Per number of held queues (one parked fence each),
             the wake latencies and loop lag while some are released.
+        relay: Per flood of the relay, the exporting loop's lag and the
+            owner's import beside it.
         completed: Scenario keys in the order they finished.
     """
 
@@ -265,6 +282,7 @@ class Results:
     signal_hold: dict[str, list[float]] = field(default_factory=dict)
     one_by_one: dict[str, dict[str, float]] = field(default_factory=dict)
     parked_scaling: dict[int, dict[str, float]] = field(default_factory=dict)
+    relay: dict[str, dict[str, float | None]] = field(default_factory=dict)
     completed: list[str] = field(default_factory=list)
 
 

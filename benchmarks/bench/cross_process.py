@@ -75,6 +75,13 @@ class _Producer:
         self.process.stdin.flush()
         return self.read()
 
+    def command(self, line: str) -> Any:
+        """Send a command of one word; what the producer printed back."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{line}\n".encode())
+        self.process.stdin.flush()
+        return self.read()
+
     def read(self) -> Any:
         assert self.process.stdout is not None
         line = self.process.stdout.readline()

@@ -53,22 +53,77 @@ async def _lines() -> AsyncIterator[str]:
             yield line.decode()
 
 
+class _LagProbe:
+    """A task asking for 1 ms sleeps: how much later than asked each one ends."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.scope = anyio.CancelScope()
+
+    async def run(self) -> None:
+        with self.scope:
+            while True:
+                asked = time.perf_counter()
+                await anyio.sleep(0.001)
+                self.lags.append(time.perf_counter() - asked - 0.001)
+
+    def figures(self) -> tuple[float, float, int]:
+        lags = sorted(self.lags) or [0.0]
+        return lags[min(len(lags) - 1, int(0.99 * len(lags)))], lags[-1], len(self.lags)
+
+
+async def _await_failure(fence: asyncfence.Fence, woken: list[float]) -> None:
+    try:
+        await fence
+    except asyncfence.DeviceError:
+        woken.append(time.perf_counter())
+        time.sleep(0.02)  # noqa: ASYNC251 (a busy task, holding the loop: what is measured)
+
+
 async def _produce(backend: str, notify_fd: int) -> None:
     device = open_default_device(backend)
     queue = device.new_stream()
-    async for line in _lines():
-        method, delay_s = line.split()
-        gate = StreamGate(queue)
-        if method == "import":
-            _say(asyncfence.record(queue).export())
-        else:
-            event = device.raw_record(queue)
-            threading.Thread(target=_message_after_sync, args=(device, event, notify_fd)).start()
-            _say(None)
-        await anyio.sleep(float(delay_s))
-        stamp = time.perf_counter()
-        gate.release()
-        _say(stamp)
+    probe: _LagProbe | None = None
+    async with anyio.create_task_group() as tg:
+        async for line in _lines():
+            method, *argument = line.split()
+            if method == "lag-start":
+                probe = _LagProbe()
+                tg.start_soon(probe.run)
+                _say(None)
+                continue
+            if method == "lag-stop":
+                assert probe is not None
+                probe.scope.cancel()
+                _say(probe.figures())
+                continue
+            delay_s = float(argument[0])
+            gate = StreamGate(queue)
+            if method in ("import", "fail-idle", "fail-await"):
+                fence = asyncfence.record(queue)
+                _say(fence.export())
+            else:
+                event = device.raw_record(queue)
+                thread = threading.Thread(
+                    target=_message_after_sync, args=(device, event, notify_fd)
+                )
+                thread.start()
+                _say(None)
+            woken: list[float] = []
+            async with anyio.create_task_group() as waiters:
+                if method == "fail-await":
+                    waiters.start_soon(_await_failure, fence, woken)
+                await anyio.sleep(delay_s)
+                stamp = time.perf_counter()
+                if method.startswith("fail"):
+                    gate.fail()
+                else:
+                    gate.release()
+            if method.startswith("fail"):
+                _say((stamp, woken[0] if woken else None))
+            else:
+                _say(stamp)
+        tg.cancel_scope.cancel()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from .base import (
     CONTENDER_ORDER,
     DEVICE_FINISH,
     LATE_AFTER_S,
+    LOCAL_WAITER,
     NUMBA,
     PARK,
     POLL,
@@ -77,6 +78,11 @@ LATENCY_SCENARIOS = {
         "across processes: the producer's gate released 0.5-3 ms in; the consumer imports "
         "the fence, or reads a message a producer thread sends after a blocking sync, or "
         "polls for that message every 10 ms"
+    ),
+    "failure_cross_process": (
+        "a failure across processes: the producer's gate failed 0.5-3 ms in; nothing there "
+        "awaits the fence, or a task of its own does and then holds the loop 20 ms (its "
+        "own wake is the local waiter's row)"
     ),
     "out_of_order_park": (
         "out-of-order parking: the older fence, the newer one parked first (recheck_interval 30 s)"
@@ -132,6 +138,10 @@ def latency_figures(
         entry["p50_over_floor_us"] = None if below else _minus(entry["p50_us"], floor.get("p50_us"))
         entry["p99_over_floor_us"] = None if below else _minus(entry["p99_us"], floor.get("p99_us"))
         entry["p50_vs_to_thread"] = _ratio(entry["p50_us"], reference)
+    if LOCAL_WAITER in figures:  # a failure across processes: the local bound
+        local = figures[LOCAL_WAITER]["p50_us"]
+        for entry in figures.values():
+            entry["p50_vs_local_waiter"] = _ratio(entry["p50_us"], local)
     if POLLED_10MS in figures:  # across processes, the workaround to beat
         polled = figures[POLLED_10MS]["p50_us"]
         for entry in figures.values():
@@ -205,6 +215,8 @@ def summarize(results: Results) -> dict[str, Any]:
         summary["parked_at_scale"] = {
             str(size): figures for size, figures in sorted(results.parked_scaling.items())
         }
+    if results.relay:
+        summary["relay_floods"] = dict(results.relay)
     if results.signal_hold:
         summary["signal_hold"] = {
             name: {"p50_us": percentile(s, 0.5) * 1e6, "max_us": max(s) * 1e6, "trials": len(s)}
@@ -359,8 +371,11 @@ def _latency_table(key: str, figures: dict[str, Any], meta: dict[str, Any]) -> T
     has_floor = SLEEP_0 in figures
     columns = ["contender", "p50", "p99", "max"]
     columns += ["p50 over floor", "p99 over floor"] if has_floor else []
-    # Across processes there is no to_thread: the polled workaround is the reference.
+    # Across processes there is no to_thread: the polled workaround is the
+    # reference, or for a failure, a local waiter on it.
     versus = "to_thread" if TO_THREAD in figures or POLLED_10MS not in figures else "polled"
+    if LOCAL_WAITER in figures:
+        versus = "local waiter"
     columns += [f"p50 vs {versus}"]
     columns += ["late (> 11 ms)"] if late else []
     columns += ["timeouts"] if any_timeouts else []
@@ -377,7 +392,7 @@ def _latency_table(key: str, figures: dict[str, Any], meta: dict[str, Any]) -> T
                 _over_floor(f["p50_over_floor_us"], is_floor=name == SLEEP_0),
                 _over_floor(f["p99_over_floor_us"], is_floor=name == SLEEP_0),
             ]
-        row.append(_times(f[f"p50_vs_{versus}"]))
+        row.append(_times(f[f"p50_vs_{versus.replace(' ', '_')}"]))
         if late:
             row.append(f"{f['late_share']:.0%}")
         if any_timeouts:
@@ -398,6 +413,8 @@ def _latency_table(key: str, figures: dict[str, Any], meta: dict[str, Any]) -> T
             notes.append(f"{DEVICE_FINISH}: not a way to wait, so no overhead.")
     if versus == "polled":
         notes.append(f"vs polled: the p50 as a multiple of {POLLED_10MS}'s.")
+    elif versus == "local waiter":
+        notes.append("vs local waiter: the p50 as a multiple of the producer's own wake's.")
     else:
         notes.append("vs to_thread: the p50 as a multiple of to_thread's.")
     if late:
@@ -535,6 +552,27 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
             [
                 "One parked fence per held queue; the gates released 2 ms apart by a thread. "
                 "Flat from the fewest queues to the most is the aim: lower is better."
+            ],
+        )
+    if "relay_floods" in summary:
+        result["the exporting loop beside floods of its relay (asyncfence's relay)"] = Table(
+            ["flood", "loop lag p99 ms", "loop lag max ms", "owner's import µs", "answered"],
+            [
+                [
+                    name,
+                    _number(f["lag_p99_ms"], 2),
+                    _number(f["lag_max_ms"], 2),
+                    _number(f["import_us"]) if f["import_us"] is not None else "> 30 s",
+                    "" if f["answered"] is None else f"{int(f['answered']):,}",
+                ]
+                for name, f in summary["relay_floods"].items()
+            ],
+            [
+                "loop lag: how much later than asked a 1 ms sleep of the producer's ends, "
+                "while a forked process floods its relay: lower is better.",
+                "owner's import: from the producer's release to this process's wake, the "
+                "import made during the flood.",
+                "answered: flooding connections that got a refusal or were cut off, and closed.",
             ],
         )
     if "scale" in summary:

@@ -19,7 +19,7 @@ import anyio
 import asyncfence
 from asyncfence.testing import open_default_device
 
-from . import cross_process, drop, latency, load, signal_hold
+from . import cross_process, drop, latency, load, relay, signal_hold
 from .base import BenchConfig, Results
 from .report import build_report, describe, plot, render, require_matplotlib, write_json
 from .targets import Context, contenders, device_finish_row, make_target, probe_contenders
@@ -109,6 +109,22 @@ SCENARIOS: list[Scenario] = [
         cross_process.cross_process,
         # Three ways per round, each 0.5-3 ms of held work, a 10 ms poll at worst.
         lambda c, n: (c.cross_process_trials + 1) * 3 * 0.008,
+    ),
+    Scenario(
+        "failure_cross_process",
+        "a failure across processes, the producer idle or awaiting it",
+        relay.relay_failure,
+        # Two ways per round, each 0.5-3 ms of held work, and 20 ms held after one.
+        lambda c, n: (c.relay_failure_trials + 1) * 2 * 0.03,
+        backends=frozenset({"opencl"}),  # the host fails an OpenCL gate, never a CUDA stream
+    ),
+    Scenario(
+        "relay_floods",
+        "the exporting loop's lag beside floods of its relay",
+        relay.relay_floods,
+        lambda c, n: 4 * (0.6 + c.relay_flood_connections * 4e-4),
+        # The relay is the same code on every backend.
+        backends=frozenset({"opencl"}),
     ),
     Scenario(
         "out_of_order_park",

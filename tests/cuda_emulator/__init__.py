@@ -19,11 +19,13 @@ the same types, as on a CI machine without the toolkit.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sysconfig
 import tempfile
@@ -114,9 +116,9 @@ def build(directory: Path | None = None, *, cuda_h: bool | None = None) -> Path:
         for header in ("cuda.h", "cudaTypedefs.h"):
             key.update((include / header).read_bytes())
     digest = key.hexdigest()[:16]
-    directory = directory or Path(tempfile.gettempdir()) / f"asyncfence-emulated-cuda-{digest}"
+    directory = directory or _private_cache(f"asyncfence-emulated-cuda-{os.geteuid()}-{digest}")
     library = directory / "libcuda.so.1"
-    if library.exists():
+    if library.exists() and _ours_alone(library, directory=False):
         return library
     directory.mkdir(parents=True, exist_ok=True)
     partial = directory / f"libcuda.so.1.{os.getpid()}"
@@ -146,6 +148,39 @@ def build(directory: Path | None = None, *, cuda_h: bool | None = None) -> Path:
         )
     partial.replace(library)  # atomic: concurrent builds never load a partial file
     return library
+
+
+def _ours_alone(path: Path, *, directory: bool) -> bool:
+    """Whether ``path`` is this user's own, of its kind, and no one else may write to it.
+
+    Checked without following a link: a link another user planted is not ours.
+    """
+    try:
+        status = path.lstat()
+    except OSError:
+        return False
+    kind = stat.S_ISDIR if directory else stat.S_ISREG
+    others_write = stat.S_IWGRP | stat.S_IWOTH
+    if directory:
+        others_write |= stat.S_IRWXG | stat.S_IRWXO  # and may not list or enter it
+    return (
+        kind(status.st_mode) and status.st_uid == os.geteuid() and not status.st_mode & others_write
+    )
+
+
+def _private_cache(name: str) -> Path:
+    """A cache folder in the shared temporary folder that only this user can write.
+
+    Another user can create the name first (the temporary folder is shared):
+    then, or if it is not this user's alone for any other reason, the build
+    goes into a fresh folder of its own instead, and is not cached.
+    """
+    cache = Path(tempfile.gettempdir()) / name
+    with contextlib.suppress(FileExistsError):
+        cache.mkdir(mode=0o700)
+    if _ours_alone(cache, directory=True):
+        return cache
+    return Path(tempfile.mkdtemp(prefix="asyncfence-emulated-cuda-"))
 
 
 class Emulator:
