@@ -22,6 +22,9 @@ from benchmarks.bench.base import (
     AUTO,
     CONTENDER_ORDER,
     DEVICE_FINISH,
+    IMPORT_AWAITED,
+    IMPORT_IDLE,
+    LOCAL_WAITER,
     PARK,
     POLL,
     POLLED_10MS,
@@ -720,6 +723,35 @@ def check_cross_process(figures: dict[str, Any]) -> None:
                 assert f["p50_vs_polled"] == pytest.approx(f["p50_us"] / polled["p50_us"])
 
 
+def check_relay(summary: dict[str, Any]) -> None:
+    """A failure crossed every trial, as fast as a local waiter; each flood was answered."""
+    failure = summary["failure_cross_process"]
+    assert sorted(failure) == sorted([LOCAL_WAITER, IMPORT_IDLE, IMPORT_AWAITED])
+    for name, f in failure.items():
+        assert f["trials"] == BenchConfig.smoke().relay_failure_trials, name
+        assert f["timeouts"] == 0, name
+        assert 0 < f["p50_us"] <= f["p99_us"] <= f["max_us"], name
+        assert f["p50_vs_local_waiter"] == pytest.approx(
+            f["p50_us"] / failure[LOCAL_WAITER]["p50_us"]
+        )
+    floods = summary["relay_floods"]
+    connections = BenchConfig.smoke().relay_flood_connections
+    assert next(iter(floods)) == "no flood"
+    assert f"{connections:,} garbage requests" in floods
+    assert f"{connections:,} idle connections, this user" in floods
+    for name, f in floods.items():
+        assert f["import_us"] is not None, name  # the owner's import completed
+        assert 0 <= f["lag_p99_ms"] <= f["lag_max_ms"], name
+        assert f["beats"] > 0, name
+        if name == "no flood":
+            assert f["answered"] is None
+        elif "idle connections, this user" in name:
+            # Past 64 waiting for a request, the oldest are cut off.
+            assert f["answered"] >= connections - 64, name
+        else:  # refused at accept (another user), or a garbage request refused
+            assert f["answered"] == connections, name
+
+
 def check_every_scenario(
     summary: dict[str, Any],
     names: list[str],
@@ -861,7 +893,10 @@ def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) 
     latency_tables = [
         block for block in result.stdout.split("\n\n") if block.startswith("wake latency, µs")
     ]
-    assert len(latency_tables) == len(LATENCY) + 1  # and the one across processes
+    # And the two across processes: the wake, and a failure.
+    assert len(latency_tables) == len(LATENCY) + 2
+    check_relay(summary)
+    assert "the exporting loop beside floods of its relay" in result.stdout
     for block in latency_tables:
         assert not re.search(NEGATIVE, block), block
     # The same plot, drawn again from the report alone.

@@ -16,6 +16,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from asyncfence import (
     FenceLostError,
     FenceToken,
     TokenRefusedError,
+    _core,
     _relay,
 )
 from asyncfence._peer import process_started, this_process
@@ -759,3 +761,30 @@ def test_a_token_carries_its_exporters_identity(producer: Producer) -> None:
     assert token.pid_namespace == this_process().pid_namespace
     assert "host" not in repr(token)
     assert "started" not in repr(token)
+
+
+# -- the settle listener the relay answers from ----------------------------------------
+
+
+def test_a_settle_listener_runs_once_on_the_thread_that_settles(gate: StreamGate) -> None:
+    core = asyncfence.record(gate.stream)._core
+    heard: list[tuple[object, str]] = []
+    forgotten: list[object] = []
+
+    def listener(settled: object) -> None:
+        heard.append((settled, threading.current_thread().name))
+
+    assert core.on_settle(listener)
+    assert core.on_settle(forgotten.append)
+    core.forget_listener(forgotten.append)
+    gate.release()
+    while core.state == _core.PENDING:
+        settler = threading.Thread(target=core.poll, name="settler")
+        settler.start()
+        settler.join()
+    assert heard == [(core, "settler")]
+    assert forgotten == []
+    core.poll()
+    assert heard == [(core, "settler")]  # once
+    assert not core.on_settle(listener)  # settled already: nothing is called
+    assert len(heard) == 1
