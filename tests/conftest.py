@@ -148,11 +148,11 @@ def without_shim(monkeypatch: pytest.MonkeyPatch) -> None:
     Applies to loops that park for the first time during the test (anyio
     gives every test a fresh loop).
     """
-    from asyncfence import _poller
+    from asyncfence import _parking
 
-    monkeypatch.setattr(_poller, "shim", lambda: None)
-    monkeypatch.setattr(_poller, "unavailable_reason", lambda: "disabled by the test")
-    monkeypatch.setattr(_poller, "unavailable_for_good", lambda: True)
+    monkeypatch.setattr(_parking, "shim", lambda: None)
+    monkeypatch.setattr(_parking, "unavailable_reason", lambda: "disabled by the test")
+    monkeypatch.setattr(_parking, "unavailable_for_good", lambda: True)
 
 
 @pytest.fixture(params=["auto", "poll", "park"])

@@ -25,7 +25,7 @@ import anyio
 import pytest
 
 import asyncfence
-from asyncfence import DeviceError, _poller
+from asyncfence import DeviceError, _parking, _poller
 from asyncfence._core import FenceCore
 from asyncfence._native import NativeMailbox, unavailable_reason
 from asyncfence._poller import current_poller
@@ -55,7 +55,7 @@ async def test_a_fence_that_cannot_be_parked_is_polled_and_every_wait_works(
 
     queues = [device.new_stream() for _ in range(24)]
     with contextlib.ExitStack() as stack, caplog.at_level(logging.ERROR, "asyncfence.poller"):
-        stack.enter_context(monkeypatch.context()).setattr(_poller._Parking, "park", broken_park)
+        stack.enter_context(monkeypatch.context()).setattr(_parking.Parking, "park", broken_park)
         gates = [stack.enter_context(hold(queue)) for queue in queues]
         fences = [asyncfence.record(queue) for queue in queues]
         async with anyio.create_task_group() as tg:
@@ -510,13 +510,13 @@ class LoopClock:
 def loop_clock(monkeypatch: pytest.MonkeyPatch) -> LoopClock:
     """The poller's clock, moved by the test."""
     clock = LoopClock()
-    monkeypatch.setattr(_poller, "_recheck_clock", clock)
+    monkeypatch.setattr(_parking, "_recheck_clock", clock)
     return clock
 
 
-def _parking() -> _poller._Parking:
+def current_parking() -> _parking.Parking:
     parking = current_poller()._parking
-    assert isinstance(parking, _poller._Parking)
+    assert isinstance(parking, _parking.Parking)
     return parking
 
 
@@ -537,7 +537,7 @@ async def test_each_stream_backs_off_alone_and_starts_over_when_it_settles(
                 tg.start_soon(partial(first.wait, strategy="park"))
                 tg.start_soon(partial(behind.wait, strategy="park"))
                 await until(lambda: asyncfence.current_statistics().parked == 2)
-                parking = _parking()
+                parking = current_parking()
                 # The steps are called directly: what each returns is the next delay.
                 assert parking._recheck_step() == interval  # nothing due yet
                 assert asyncfence.current_statistics().rechecks == 0
@@ -612,7 +612,7 @@ async def test_once_nothing_is_parked_the_rechecks_forget_every_stream(
             # step finds the failure, and with that nothing is parked.
             loop_clock.now += interval * 0.6
         assert len(failures) == 1
-        parking = _parking()
+        parking = current_parking()
         await until(lambda: not parking._recheck.running)
         assert len(parking._schedule) == 0
         loop_clock.run_free()
@@ -632,12 +632,12 @@ async def test_a_recheck_step_takes_a_bounded_slice_of_the_due_streams(
 ) -> None:
     if wake_path != "native":
         pytest.skip("without the shim, parked fences are re-checked up to every poll_cap")
-    monkeypatch.setattr(_poller, "_RECHECK_SLICE", 2)
-    monkeypatch.setattr(_poller, "RECHECK_RATE", 1000)  # a full slice, then 2 ms
+    monkeypatch.setattr(_parking, "_RECHECK_SLICE", 2)
+    monkeypatch.setattr(_parking, "RECHECK_RATE", 1000)  # a full slice, then 2 ms
     interval = asyncfence.configure().recheck_interval
     queues = [device.new_stream() for _ in range(5)]
     async with parked_on_held(queues) as (gates, _):
-        parking = _parking()
+        parking = current_parking()
         loop_clock.now += interval
         slices: list[tuple[int, object]] = []
         for advance in (0.0, 0.0, 0.002, 0.002):
@@ -886,7 +886,7 @@ async def test_a_signal_that_comes_before_its_fence_completes_arms_it_again(
             tg.start_soon(partial(fence.wait, strategy="park"))
             await until(lambda: asyncfence.current_statistics().armed == 1)
             parking = current_poller()._parking
-            assert isinstance(parking, _poller._Parking)
+            assert isinstance(parking, _parking.Parking)
             live_slots = native.live_slots()
             signals = asyncfence.current_statistics().signals
             # A signal with the fence's token while the fence is still held,
@@ -932,7 +932,7 @@ def noted_calls(
 @pytest.fixture
 def rests_of_wakes(wake_path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """A list that gets "rest" each time the rest of a native wake runs."""
-    return noted_calls(monkeypatch, wake_path, _poller._Parking, "_finish_wake", "rest")
+    return noted_calls(monkeypatch, wake_path, _parking.Parking, "_finish_wake", "rest")
 
 
 @pytest.mark.usefixtures("only_signals_wake")
@@ -981,7 +981,7 @@ async def test_a_fence_parked_by_a_task_just_woken_gets_its_signal_at_once(
                     await first.wait(strategy="park")
                     assert not rests_of_wakes  # the rest of this wake has not run yet
                     parking = current_poller()._parking
-                    assert isinstance(parking, _poller._Parking)
+                    assert isinstance(parking, _parking.Parking)
                     with hold(stream) as second_gate:
                         second = asyncfence.record(stream)._core
                         parking.park(second)
@@ -1135,7 +1135,7 @@ async def test_without_the_shim_parked_waits_are_rechecked_backing_off_to_poll_c
             tg.start_soon(partial(second.wait, strategy="park"))
             await until(lambda: asyncfence.current_statistics().parked == 2)
             parking = current_poller()._parking
-            assert isinstance(parking, _poller._Parking)
+            assert isinstance(parking, _parking.Parking)
             assert parking.wake_path == "polling"
             assert asyncfence.current_statistics().armed == 0
             # The steps are called directly, each when due: what each returns
@@ -1162,13 +1162,13 @@ async def test_without_the_shim_parked_waits_are_rechecked_backing_off_to_poll_c
 def test_a_missing_shim_is_said_once_as_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(_poller, "shim", lambda: None)
-    monkeypatch.setattr(_poller, "unavailable_reason", lambda: "the shim was not built")
-    monkeypatch.setattr(_poller, "unavailable_for_good", lambda: True)
-    monkeypatch.setattr(_poller, "_shim_warned", False)
+    monkeypatch.setattr(_parking, "shim", lambda: None)
+    monkeypatch.setattr(_parking, "unavailable_reason", lambda: "the shim was not built")
+    monkeypatch.setattr(_parking, "unavailable_for_good", lambda: True)
+    monkeypatch.setattr(_parking, "_shim_warned", False)
     with caplog.at_level(logging.WARNING, "asyncfence.poller"):
-        assert _poller._new_mailbox() is None  # a first loop parks
-        assert _poller._new_mailbox() is None  # and a second
+        assert _parking.new_mailbox() is None  # a first loop parks
+        assert _parking.new_mailbox() is None  # and a second
     warnings = [r.getMessage() for r in caplog.records if r.name == "asyncfence.poller"]
     assert len(warnings) == 1
     assert "the native wake shim is not in use: the shim was not built" in warnings[0]
@@ -1216,11 +1216,11 @@ async def test_an_orphaned_signal_and_a_settle_elsewhere_lose_no_wake(
         assert orphan_core() is not None  # its armed signal's token holds it
         fence, other = asyncfence.record(stream), asyncfence.record(other_stream)
         parking = current_poller()._parking
-        assert isinstance(parking, _poller._Parking)
-        real_finish = _poller._Parking._finish_wake
+        assert isinstance(parking, _parking.Parking)
+        real_finish = _parking.Parking._finish_wake
         interposed: list[str] = []
 
-        def finish_after_a_settle_and_a_park(self: _poller._Parking) -> None:
+        def finish_after_a_settle_and_a_park(self: _parking.Parking) -> None:
             if not interposed:
                 interposed.append("settled and parked")
                 fence_gate.release()
@@ -1228,7 +1228,7 @@ async def test_an_orphaned_signal_and_a_settle_elsewhere_lose_no_wake(
                 self.park(other._core)  # another task parks meanwhile
             real_finish(self)
 
-        monkeypatch.setattr(_poller._Parking, "_finish_wake", finish_after_a_settle_and_a_park)
+        monkeypatch.setattr(_parking.Parking, "_finish_wake", finish_after_a_settle_and_a_park)
         woken = anyio.Event()
 
         async def wait_for_fence() -> None:
