@@ -25,11 +25,11 @@ from ._exceptions import TokenRefusedError as TokenRefusedError
 from ._fence import Fence as Fence
 from ._fence import record as record
 from ._fence import warm_up as warm_up
-from ._imported import ImportedFence as ImportedFence
-from ._imported import import_fence as import_fence
+from ._interprocess import FenceToken as FenceToken
+from ._interprocess import ImportedFence as ImportedFence
+from ._interprocess import import_fence as import_fence
 from ._poller import PollerStatistics as PollerStatistics
 from ._poller import current_statistics as current_statistics
-from ._relay import FenceToken as FenceToken
 from ._staging import StagingPool as StagingPool
 from ._staging import StagingPoolStatistics as StagingPoolStatistics
 

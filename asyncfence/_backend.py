@@ -300,7 +300,7 @@ class Backend(Protocol[MarkerT]):
         For runtimes with interprocess events (CUDA). The exporter keeps the
         second item, and gives it to :meth:`release_export` only once no
         importer may still use the handle. By default there is none: the
-        relay alone carries the fence's end (:mod:`asyncfence._relay`).
+        relay alone carries the fence's end (:mod:`asyncfence._interprocess`).
 
         Raises:
             DeviceError: The runtime refused.

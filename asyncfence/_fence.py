@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from typing_extensions import Self
 
-    from ._relay import FenceToken
+    from ._interprocess import FenceToken
 
 __all__ = ["Fence", "cores_of", "record"]
 
@@ -247,7 +247,7 @@ class Fence:
 
         Thread-safety: the thread of the loop that serves the export.
         """
-        from ._relay import export_core
+        from ._interprocess import export_core
 
         return export_core(self._core)
 

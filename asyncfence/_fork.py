@@ -16,6 +16,9 @@ parent and their locks may be held there. So a forked child:
 * never touches what it inherited of the native wake shim (its mailboxes
   compare :func:`generation`).
 
+* runs what other modules ask to be run in the child (:func:`on_fork_in_child`:
+  the relays of fences across processes close there).
+
 This module holds the one ``os.register_at_fork`` hook of the package.
 
 Thread-safety: every function may be called from any thread.
@@ -41,6 +44,7 @@ __all__ = [
     "fork_count",
     "generation",
     "note_used",
+    "on_fork_in_child",
     "renew_after_fork",
     "unwatch_runtime",
     "used",
@@ -73,6 +77,7 @@ _initialised_at_fork: frozenset[str] = frozenset()
 # of the attributes a child starts without.
 _locks: weakref.WeakKeyDictionary[object, tuple[str, ...]] = weakref.WeakKeyDictionary()
 _cleared: weakref.WeakKeyDictionary[object, tuple[str, ...]] = weakref.WeakKeyDictionary()
+_child_callbacks: list[Callable[[], None]] = []
 
 
 def generation() -> int:
@@ -135,6 +140,14 @@ def clear_after_fork(owner: object, *attributes: str) -> None:
     _cleared[owner] = (*_cleared.get(owner, ()), *attributes)
 
 
+def on_fork_in_child(callback: Callable[[], None]) -> None:
+    """Have ``callback()`` called in a forked child, after the locks are renewed.
+
+    It must not raise: what it raises is logged, and the others still run.
+    """
+    _child_callbacks.append(callback)
+
+
 def _fresh(lock: object) -> object:
     if isinstance(lock, tuple):
         return tuple(_fresh(each) for each in lock)
@@ -163,6 +176,11 @@ def _after_fork_in_child() -> None:
     for owner, attributes in list(_locks.items()):
         for attribute in attributes:
             setattr(owner, attribute, _fresh(getattr(owner, attribute)))
+    for callback in list(_child_callbacks):
+        try:
+            callback()
+        except Exception:  # one must never keep the others from running
+            _logger.exception("asyncfence: %r raised in a forked child", callback)
 
 
 if hasattr(os, "register_at_fork"):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import asyncfence
 from asyncfence import DeviceError, DriverNotFoundError, DropQueue, FenceError
-from asyncfence._relay import (
+from asyncfence._interprocess._protocol import (
     ANSWER_ACCEPTED,
     ANSWER_DONE,
     ANSWER_ERROR,

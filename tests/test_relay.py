@@ -32,9 +32,9 @@ from asyncfence import (
     FenceToken,
     TokenRefusedError,
     _core,
-    _relay,
 )
-from asyncfence._peer import process_started, this_process
+from asyncfence._interprocess import _exporting, _protocol
+from asyncfence._interprocess._peer import process_started, this_process
 from asyncfence.testing import open_default_device
 
 from .conftest import let_loop_run, until
@@ -664,7 +664,7 @@ async def test_idle_connections_of_the_same_user_are_cut_off_and_imports_complet
 async def test_a_connection_that_sends_no_request_is_cut_off_at_its_deadline(
     gate: StreamGate, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_relay, "REQUEST_DEADLINE_S", 0.05)
+    monkeypatch.setattr(_exporting, "REQUEST_DEADLINE_S", 0.05)
     token = asyncfence.record(gate.stream).export()
     idle = _raw_connection(token)
     idle.setblocking(False)
@@ -672,8 +672,8 @@ async def test_a_connection_that_sends_no_request_is_cut_off_at_its_deadline(
         with anyio.fail_after(_GUARD_S):
             await anyio.wait_readable(idle)
             answer = idle.recv(4096)
-        assert answer == _relay.frame(
-            _relay.ANSWER_ERROR + b"no request came within the relay's deadline"
+        assert answer == _protocol.frame(
+            _protocol.ANSWER_ERROR + b"no request came within the relay's deadline"
         )
         with anyio.fail_after(_GUARD_S):
             await anyio.wait_readable(idle)
@@ -699,7 +699,7 @@ def _squat(address: str, ready_write: int) -> str:
         connection.settimeout(1.0)  # the importer sends at once, if ever
         # The importer may have closed already: it refused to talk to this.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            connection.sendall(_relay.frame(_relay.ANSWER_DONE))
+            connection.sendall(_protocol.frame(_protocol.ANSWER_DONE))
         # What it sent comes first, then the end, or a reset (it closed with
         # the answer unread), or nothing more (an old importer awaits the answer).
         with contextlib.suppress(TimeoutError, ConnectionResetError):

@@ -77,7 +77,7 @@ class LoopDriver(Protocol):
 
     #: The loop's poller, kept here for the loop's life; ``None`` until made.
     poller: object
-    #: The loop's relay of exported fences (:mod:`asyncfence._relay`); ``None`` until made.
+    #: The loop's relay of exported fences (:mod:`asyncfence._interprocess`); ``None`` until made.
     relay: object
 
     # -- for the wait ------------------------------------------------------------

@@ -1,94 +1,71 @@
-"""Fences that cross processes: the exporting side, its relay, and their protocol.
+"""Fences across processes: the exporting side, a loop's relay.
 
-The relay works for every backend. The exporting process's event loop serves
-its exports on a Unix socket in Linux's abstract namespace (no file to leave
-behind), which admits only processes of the same user (``SO_PEERCRED``). An
-importing process connects at :func:`import_fence` and presents its token's
-secret; the exporter's loop awaits the fence (parked like any wait, with no
-thread), answers with how the work ended, and closes. The importer's loop
-watches its end of the connection: it becomes readable with the answer, or
-at end of stream if the exporter went away (exited, crashed, or its loop
-ended), which no answer can then follow. Design: ``docs/design.md``
-("Fences across processes").
+The exporting process's event loop serves its exports on a Unix socket in
+Linux's abstract namespace (no file to leave behind), which admits only
+processes of the same user (``SO_PEERCRED``, read as a connection is
+accepted, before anything else). An importing process connects at
+:func:`~asyncfence.import_fence` and presents its token's secret; the
+relay pops the export (one answer per token) and answers once the fence
+settles: the answer is a settle listener of the fence's core, sent by
+whichever thread learns how the work ended, so that no task of the
+exporter's can hold it back. The importer's loop watches its end of the
+connection: it becomes readable with the answer, or at end of stream if
+the exporter went away (exited, crashed, or its loop ended).
 
-A token is a capability for one wait and nothing more: 32 random bytes
-that name one export, answered once, then forgotten. Nothing a token holder
-sends can make the exporter free, fail or run anything. The answer is sent
-from the wake of the exporter's fence itself, so that no task of the
-exporter's can hold it back. The threat model: ``docs/processes.md``.
+A token is a capability for one wait and nothing more. Nothing a token
+holder sends can make the exporter free, fail or run anything; what a
+connection may hold is bounded (see :class:`_Relay`). The threat model:
+``docs/processes.md``. Design: ``docs/design.md`` ("Fences across processes").
 
-The importing side is :mod:`asyncfence._imported`; who is at each end,
-:mod:`asyncfence._peer`.
-
-Thread-safety: an exporting loop's relay belongs to its loop's thread.
+Thread-safety: an exporting loop's relay belongs to its loop's thread; an
+answer may be sent from any thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import math
 import os
 import secrets
 import socket
-import struct
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, NamedTuple
 
-from ._config import current_config
-from ._core import PENDING
-from ._exceptions import DeviceError, FenceError, TokenRefusedError
-from ._loops import current_driver
+from .. import _fork
+from .._config import current_config
+from .._core import PENDING
+from .._exceptions import FenceError
+from .._loops import current_driver
+from .._poller import poller_of
 from ._peer import peer_credentials, this_process
-from ._poller import poller_of
+from ._protocol import (
+    ANSWER_ACCEPTED,
+    ANSWER_ERROR,
+    ANSWER_REFUSED,
+    REQUEST_BYTES,
+    SECRET_BYTES,
+    FenceToken,
+    answer_for,
+    frame,
+    parse_request,
+)
 
 if TYPE_CHECKING:
-    from ._core import FenceCore
-    from ._loops import LoopDriver
+    from .._core import FenceCore
+    from .._loops import LoopDriver
 
-# The protocol's names are shared with the importing side (``_imported.py``).
 __all__ = [
-    "ANSWER_ACCEPTED",
-    "ANSWER_DONE",
-    "ANSWER_ERROR",
-    "ANSWER_FAILED",
-    "ANSWER_LIMIT",
-    "ANSWER_REFUSED",
-    "LENGTH",
-    "PROTOCOL",
-    "SECRET_BYTES",
-    "FenceToken",
-    "answer_for",
+    "ACCEPT_RETRY_S",
+    "MAX_AWAITING_REQUEST",
+    "REQUEST_DEADLINE_S",
     "export_core",
-    "frame",
-    "parse_request",
 ]
 
 _logger = logging.getLogger("asyncfence.relay")
-
-# A request: the protocol's tag, then the token's secret.
-PROTOCOL: Final = b"AF1"
-SECRET_BYTES: Final = 32
-REQUEST_BYTES: Final = len(PROTOCOL) + SECRET_BYTES
-# An answer: its length (4 bytes, big-endian), then one of these bytes and its
-# details. The connection stays open after an answer where the importer may
-# still wait on an interprocess handle: it closes, and the exporter then frees it.
-# Before the answer, where the export has an interprocess handle: the token is
-# good. Until then the importer's own device may not end its wait: a handle
-# can outlive its token (used already, or presented twice).
-ANSWER_ACCEPTED: Final = b"A"
-ANSWER_DONE: Final = b"D"
-ANSWER_FAILED: Final = b"F"  # then a DeviceError as JSON
-ANSWER_REFUSED: Final = b"R"  # then why, in UTF-8
-ANSWER_ERROR: Final = b"E"  # then a FenceError's message, in UTF-8
-# Answers are a few hundred bytes; anything longer is not one.
-ANSWER_LIMIT: Final = 64 * 1024
-LENGTH: Final = struct.Struct("!I")
 
 # An importer sends its request as it connects: a connection of the same user
 # that has not, within this, is cut off; and so is the oldest of those waiting
@@ -104,45 +81,6 @@ _WARN_EVERY_S: Final = 60.0
 _SHORT_OF_RESOURCES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 # The connection went away before it was accepted: nothing to tell anyone.
 _TRANSIENT: Final = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
-
-
-@dataclass(frozen=True, slots=True)
-class FenceToken:
-    """A capability to await, in another process on this machine, one exported fence.
-
-    Made by :meth:`asyncfence.Fence.export`; picklable and small, to send
-    however the processes talk (a pipe, a queue, an HTTP request). Turn it
-    back into an awaitable fence with :func:`asyncfence.import_fence`. Its
-    secret is unguessable and answers one import; ``repr()`` leaves it out.
-
-    Attributes:
-        address: The exporting loop's relay socket, in Linux's abstract
-            namespace (without the leading NUL byte).
-        secret: The 32 random bytes that name the export.
-        producer_pid: The exporting process (in its pid namespace).
-        backend: The exported fence's backend, ``"opencl"`` or ``"cuda"``.
-        producer_started: When the exporting process started, in clock ticks
-            after boot: a pid given out again comes with another.
-        host: The exporter's boot and network namespace: an importer
-            elsewhere (another machine, another boot, another network
-            namespace) cannot reach its relay, and refuses the token at once.
-        pid_namespace: The exporter's pid namespace (its inode): an importer
-            in the same one checks the relay's pid as well as its user.
-        interprocess: Where the backend has interprocess events (CUDA), the
-            handle of one that completes with the fence, which the importer's
-            own device waits on; ``None`` elsewhere, or once the fence was done.
-
-    Thread-safety: immutable; any thread.
-    """
-
-    address: str
-    secret: bytes = field(repr=False)
-    producer_pid: int
-    backend: str
-    producer_started: int = field(repr=False)
-    host: str = field(repr=False)
-    pid_namespace: int = field(repr=False)
-    interprocess: bytes | None = field(default=None, repr=False)
 
 
 class _Export(NamedTuple):
@@ -201,77 +139,6 @@ class _Answer:
                     connection.shutdown(socket.SHUT_RDWR)
         except Exception:
             _logger.exception("asyncfence: the fence relay failed to answer an import")
-
-
-def answer_for(error: BaseException | None) -> bytes:
-    """The answer for a fence that settled with ``error`` (``None``: done)."""
-    if error is None:
-        return ANSWER_DONE
-    if isinstance(error, DeviceError):
-        failure = {
-            "backend": error.backend,
-            "code": error.code,
-            "name": error.name,
-            "detail": error.detail,
-        }
-        return ANSWER_FAILED + json.dumps(failure).encode()
-    if isinstance(error, FenceError):  # the wait itself failed (forked, say)
-        return ANSWER_ERROR + str(error).encode()
-    return ANSWER_ERROR + b"the exporting process failed to answer"
-
-
-def take_message(buffer: bytearray) -> bytes | None:
-    """Take the first whole message off the front of ``buffer``; ``None`` until one is whole.
-
-    Raises:
-        ValueError: Its length is more than :data:`ANSWER_LIMIT`: no answer
-            is that long.
-    """
-    if len(buffer) < LENGTH.size:
-        return None
-    (length,) = LENGTH.unpack_from(buffer)
-    if length > ANSWER_LIMIT:
-        raise ValueError(f"a message of {length} bytes is no asyncfence answer")
-    if len(buffer) < LENGTH.size + length:
-        return None
-    message = bytes(buffer[LENGTH.size : LENGTH.size + length])
-    del buffer[: LENGTH.size + length]
-    return message
-
-
-def parse_answer(answer: bytes) -> FenceError | None:
-    """What an answer other than :data:`ANSWER_ACCEPTED` says: ``None`` (done), or the error.
-
-    Anything an exporter could send gives one or the other: this never raises.
-    """
-    kind, details = answer[:1], answer[1:]
-    if kind == ANSWER_DONE and not details:
-        return None
-    if kind == ANSWER_FAILED:
-        try:
-            fields = json.loads(details)
-            return DeviceError(
-                str(fields["backend"]),
-                int(fields["code"]),
-                str(fields["name"]),
-                str(fields["detail"]),
-            )
-        # OverflowError: a code of Infinity; RecursionError: JSON nested thousands deep.
-        except (ValueError, LookupError, TypeError, OverflowError, RecursionError):
-            return FenceError("the exporting process sent a malformed failure")
-    if kind == ANSWER_REFUSED:
-        reason = details.decode(errors="replace")
-        return TokenRefusedError(f"the exporting process refused the token: {reason}")
-    if kind == ANSWER_ERROR:
-        return FenceError(details.decode(errors="replace"))
-    return FenceError("the exporting process sent no asyncfence answer")
-
-
-def parse_request(request: bytes) -> bytes | None:
-    """The secret a request presents; ``None`` if it is not an asyncfence request."""
-    if len(request) != REQUEST_BYTES or not request.startswith(PROTOCOL):
-        return None
-    return request[len(PROTOCOL) :]
 
 
 class _Relay:
@@ -559,10 +426,6 @@ class _Relay:
         self._exports.clear()
 
 
-def frame(message: bytes) -> bytes:
-    return LENGTH.pack(len(message)) + message
-
-
 _live_relays: weakref.WeakSet[_Relay] = weakref.WeakSet()
 
 
@@ -572,7 +435,7 @@ def _close_relays_in_child() -> None:
     _live_relays.clear()
 
 
-os.register_at_fork(after_in_child=_close_relays_in_child)
+_fork.on_fork_in_child(_close_relays_in_child)
 this_process()  # read now, off any loop: an export reads it again only after a fork
 
 

@@ -1,10 +1,12 @@
-"""Fences that cross processes: the importing side, a fence another process exported.
+"""Fences across processes: the importing side, a fence another process exported.
 
 :func:`import_fence` connects to the exporting loop's relay
-(:mod:`asyncfence._relay`) and presents the token's secret; the
-:class:`ImportedFence` it returns watches that connection from a system task
-of the loop that awaits it, and on CUDA also parks on the exporter's
-interprocess event, opened on this process's device. Design:
+(:mod:`asyncfence._interprocess._exporting`), checks that the process there
+is the token's exporter (:mod:`asyncfence._interprocess._peer`), and
+presents the token's secret; the :class:`ImportedFence` it returns watches
+that connection from a system task of the loop that awaits it, and on CUDA
+also parks on the exporter's interprocess event, opened on this process's
+device. Design:
 ``docs/design.md`` ("Fences across processes").
 
 Thread-safety: an :class:`ImportedFence` belongs to the thread of the loop
@@ -21,14 +23,15 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, final
 
-from ._backend import backend_named
-from ._config import check_timeout, current_config
-from ._core import DONE, FAILED, PENDING, import_core
-from ._exceptions import FenceError, FenceLostError, TokenRefusedError
-from ._loops import current_driver
+from .._backend import backend_named
+from .._config import check_timeout, current_config
+from .._core import DONE, FAILED, PENDING, import_core
+from .._exceptions import FenceError, FenceLostError, TokenRefusedError
+from .._loops import current_driver
+from .._poller import poller_of
+from .._validation import type_name
 from ._peer import Credentials, peer_credentials, process_started, this_process
-from ._poller import poller_of
-from ._relay import (
+from ._protocol import (
     ANSWER_ACCEPTED,
     PROTOCOL,
     SECRET_BYTES,
@@ -36,13 +39,12 @@ from ._relay import (
     parse_answer,
     take_message,
 )
-from ._validation import type_name
 
 if TYPE_CHECKING:
     from collections.abc import Generator
 
-    from ._core import FenceCore
-    from ._loops import LoopDriver, Waiter
+    from .._core import FenceCore
+    from .._loops import LoopDriver, Waiter
 
 __all__ = ["ImportedFence", "import_fence"]
 
