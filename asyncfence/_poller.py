@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from ._config import check_seconds, current_config
 from ._core import FAILED
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Poller",
     "PollerStatistics",
+    "Settles",
     "WakePath",
     "current_poller",
     "current_statistics",
@@ -56,6 +57,17 @@ _PARK_BATCH = 128
 # The clock of the fences' ages, whatever the loop (asyncio's loop clock is
 # this one; trio's is its own): a module attribute so that tests can set it.
 _clock = time.monotonic
+
+
+class Settles(Protocol):
+    """What a wait waits on: a fence's core, or an imported fence, which its reader settles."""
+
+    @property
+    def state(self) -> int:
+        """:data:`~asyncfence._core.PENDING`, ``DONE`` or ``FAILED``."""
+
+    def failure(self) -> Exception:
+        """A fresh copy of the failure of a ``FAILED`` one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,10 +188,10 @@ class Poller:
     def __init__(self, driver: LoopDriver) -> None:
         self.driver = driver
         # In the order of each fence's first wait (see _Waits).
-        self._waiters: dict[FenceCore, _Waits] = {}
+        self._waiters: dict[Settles, _Waits] = {}
         #: The fences some wait on this loop waits for (``in`` it: :meth:`is_awaited`
         #: without its call); read it, never change it.
-        self.awaited: Collection[FenceCore] = self._waiters.keys()
+        self.awaited: Collection[Settles] = self._waiters.keys()
         self._waiter_count = 0
         # Fences with at least one "poll" waiter: polled for as long as they wait.
         self._eager: dict[FenceCore, int] = {}
@@ -224,7 +236,22 @@ class Poller:
         self._next_sleep = _FIRST_SLEEP_S
         self._ticks_chain.ensure(0.0)
 
-    def discard(self, fence: FenceCore, waiter: Waiter) -> None:
+    def add_settled_elsewhere(self, fence: Settles, waiter: Waiter) -> None:
+        """Register ``waiter`` on ``fence``, which something else settles, then wakes here.
+
+        For an imported fence: its reader settles it from the exporter's
+        answer and calls :meth:`wake`. Nothing polls or parks it; its waits
+        count in the statistics (pending fences, their ages, stuck fences)
+        like any. Never raises.
+        """
+        waits = self._waiters.get(fence)
+        if waits is None:
+            self._waiters[fence] = _Waits(waiter, "park")  # "park": nothing polls it
+        else:
+            waits[waiter] = "park"
+        self._waiter_count += 1
+
+    def discard(self, fence: Settles, waiter: Waiter) -> None:
         """Forget ``waiter`` (cancelled or timed out); a no-op if already woken."""
         waiters = self._waiters.get(fence)
         if waiters is None:
@@ -233,23 +260,27 @@ class Poller:
         if strategy is None:
             return
         self._waiter_count -= 1
-        if strategy == "poll":
-            self._eager[fence] -= 1
-            if not self._eager[fence]:
-                del self._eager[fence]
+        if strategy == "poll":  # a core's: what is settled elsewhere is never polled
+            core = cast("FenceCore", fence)
+            self._eager[core] -= 1
+            if not self._eager[core]:
+                del self._eager[core]
                 if waiters.wants("auto"):
-                    self._auto_only.add(fence)
+                    self._auto_only.add(core)
                 else:  # only "park" waits are left, and they are parked
-                    self._polled.discard(fence)
+                    self._polled.discard(core)
         if not waiters:
             self._forget(fence)
 
-    def is_awaited(self, fence: FenceCore) -> bool:
+    def is_awaited(self, fence: Settles) -> bool:
         """Whether any wait on this loop still waits for ``fence``."""
         return fence in self._waiters
 
-    def wake(self, fence: FenceCore, unexpected: Exception | None = None) -> None:
+    def wake(self, fence: Settles, unexpected: Exception | None = None) -> None:
         """Resume every wait on the settled ``fence``, and stop watching it.
+
+        Every wake comes here: a parked fence's signal or re-check, a polled
+        fence's tick, a fault, an imported fence's answer.
 
         Each waiter gets ``unexpected`` (what querying the fence raised, a
         backend bug), its own copy of the fence's failure, or nothing. A
@@ -280,21 +311,23 @@ class Poller:
         if surfaced is not None:
             raise surfaced
 
-    def _forget(self, fence: FenceCore) -> None:
-        """``fence`` has no waiters left on this loop."""
+    def _forget(self, fence: Settles) -> None:
+        """``fence`` has no waiters left on this loop.
+
+        Settled elsewhere (an imported fence), it is in none of the sets
+        below: each step is a no-op for it.
+        """
         self._waiters.pop(fence, None)
-        self._eager.pop(fence, None)
-        self._auto_only.discard(fence)
+        # No cast() (a call, on the wake path): a plain assignment.
+        core: FenceCore = fence  # type: ignore[assignment]
+        self._eager.pop(core, None)
+        self._auto_only.discard(core)
         # Membership first: each call is costly on the wake path.
-        if fence in self._polled.members:
-            self._polled.discard(fence)
+        if core in self._polled.members:
+            self._polled.discard(core)
         parking = self._parking
-        if (
-            parking is not None
-            and fence in parking.parked.members
-            and fence not in parking._fired  # the rest of its wake unparks it
-        ):
-            parking.unpark(fence)
+        if parking is not None and core in parking.parked.members:
+            parking.unpark(core)  # a no-op for one whose wake is under way: it unparks it
 
     def _park(self, fence: FenceCore) -> bool:
         """Park ``fence``; False if it cannot be (then it must be polled)."""

@@ -788,3 +788,22 @@ def test_a_settle_listener_runs_once_on_the_thread_that_settles(gate: StreamGate
     assert heard == [(core, "settler")]  # once
     assert not core.on_settle(listener)  # settled already: nothing is called
     assert len(heard) == 1
+
+
+async def test_an_imported_fences_waits_are_the_loops_like_any(producer: Producer) -> None:
+    # Through the poller's one wake: counted, aged and woken as a local wait is.
+    imported = asyncfence.import_fence(producer.token)
+    # On CUDA the wait is parked on the opened event too: a core of its own.
+    keys = 2 if producer.backend == "cuda" else 1
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(imported.wait)
+        tg.start_soon(imported.wait)
+        with anyio.fail_after(_GUARD_S):
+            await until(lambda: asyncfence.current_statistics().waiters == 2 * keys)
+        stats = asyncfence.current_statistics(stuck_after=0)
+        assert stats.pending_fences == keys
+        assert stats.stuck_fences == keys
+        assert stats.oldest_pending_age is not None
+        producer.send("release")
+    stats = asyncfence.current_statistics(stuck_after=0)
+    assert (stats.waiters, stats.pending_fences, stats.stuck_fences) == (0, 0, 0)

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Generator
 
     from .._core import FenceCore
-    from .._loops import LoopDriver, Waiter
+    from .._loops import LoopDriver
 
 __all__ = ["ImportedFence", "import_fence"]
 
@@ -244,7 +244,6 @@ class ImportedFence:
         "_reader",
         "_settled",
         "_token",
-        "_waiters",
     )
 
     # The connection to the exporter (non-blocking); -1 once closed. With an
@@ -257,7 +256,6 @@ class ImportedFence:
     _failure: FenceError | None
     _local: FenceCore | None  # the exporter's interprocess event, opened here
     _reader: LoopDriver | None  # the driver of the loop whose system task reads
-    _waiters: list[Waiter]
 
     def __new__(cls, *args: object, **kwargs: object) -> ImportedFence:
         raise TypeError("imported fences are made by asyncfence.import_fence(token)")
@@ -273,7 +271,6 @@ class ImportedFence:
         fence._settled = False
         fence._failure = None
         fence._reader = None
-        fence._waiters = []
         return fence
 
     def __del__(self) -> None:
@@ -310,11 +307,43 @@ class ImportedFence:
         """
         if not self._settled and self._reader is None:
             self._receive()
-        if self._local_done():
-            return True
-        if self._failure is not None:
-            raise self._fresh_failure()
-        return self._settled
+        state = self.state
+        if state == FAILED:
+            raise self.failure()
+        return state == DONE
+
+    @property
+    def state(self) -> int:
+        """``PENDING``, ``DONE`` or ``FAILED``: how an await would end now. Never blocks.
+
+        A refused token is refused, whatever else; the work is done once this
+        device passed the exporter's event for a token the exporter took, or
+        once the exporter said so; it failed if the exporter said so, or if
+        it went away first, or if this device's wait on its event failed.
+        """
+        failure = self._failure
+        if isinstance(failure, TokenRefusedError):
+            return FAILED
+        local = self._local
+        opened = self._accepted and local is not None
+        if opened and local is not None and local.poll() == DONE:
+            return DONE  # the work is done, whatever became of the exporter since
+        if failure is not None:
+            return FAILED
+        if self._settled:
+            return DONE
+        if opened and local is not None and local.state == FAILED:
+            return FAILED  # this process's own device failed
+        return PENDING
+
+    def failure(self) -> FenceError:
+        """A fresh copy of the failure of a fence whose :attr:`state` is ``FAILED``."""
+        failure = self._failure
+        if failure is None:
+            local = self._local
+            assert local is not None
+            return local.failure()
+        return copy.copy(failure).with_traceback(None)
 
     async def wait(self, timeout: float | None = None) -> None:
         """Wait until the exporting process has seen the fence complete.
@@ -339,31 +368,31 @@ class ImportedFence:
         """
         seconds = check_timeout(timeout)
         driver = current_driver()
-        if seconds == 0 or (self._reader is None and self._receive()) or self._decided():
+        if seconds == 0 or (self._reader is None and self._receive()) or self.state != PENDING:
             await driver.checkpoint()
             self._outcome(seconds)
             return
         self._ensure_reader(driver)
         deadline = time.monotonic() + seconds
         local = self._local
+        poller = poller_of(driver)
         remaining = seconds
-        while remaining > 0 and not self._decided():
+        while remaining > 0 and self.state == PENDING:
             waiter = driver.new_waiter()
-            # Woken by whichever comes first: a message of the exporter's, or
+            # Woken by whichever comes first, through the poller's one wake:
+            # the reader's, once the exporter answered (or went away), or
             # (on CUDA) this device passing the opened event, parked like a
-            # local fence's wait.
-            self._waiters.append(waiter)
+            # local fence's wait. Woken with a failure, it raises it here.
             parked = local is not None and local.state == PENDING
-            poller = poller_of(driver) if parked else None
             try:
-                if poller is not None and local is not None:
+                poller.add_settled_elsewhere(self, waiter)
+                if parked and local is not None:
                     poller.add(local, waiter, current_config().strategy)
                 await driver.suspend(waiter, remaining)
             finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-                if poller is not None and local is not None:
-                    poller.discard(local, waiter)  # a no-op once it woke the waiter
+                poller.discard(self, waiter)  # a no-op once it woke the waiter
+                if parked and local is not None:
+                    poller.discard(local, waiter)
             remaining = deadline - time.monotonic()
         self._outcome(seconds)
 
@@ -445,14 +474,15 @@ class ImportedFence:
             while not self._receive():
                 await driver.wait_readable(self._fd)
         finally:
-            self._reader = None
-            if self._settled:
+            if self._settled:  # else cancelled, with its loop: so are the waits
                 self._wake_all()
+            self._reader = None
 
     def _wake_all(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            waiter.wake(None)  # each decides what it raises, with its own copy
+        """Wake this loop's waits on the fence, through its poller's wake."""
+        driver = self._reader
+        if driver is not None:
+            poller_of(driver).wake(self)
 
     def _receive(self) -> bool:
         """Read what the exporter sent, without blocking; whether the answer is complete."""
@@ -504,31 +534,10 @@ class ImportedFence:
             f"work ended: {why} (it exited or crashed, or its event loop ended)"
         )
 
-    def _fresh_failure(self) -> FenceError:
-        failure = self._failure
-        assert failure is not None
-        return copy.copy(failure).with_traceback(None)
-
-    def _local_done(self) -> bool:
-        """Whether this device passed the exporter's event, for a token the exporter took."""
-        local = self._local
-        return self._accepted and local is not None and local.poll() == DONE
-
-    def _decided(self) -> bool:
-        local = self._local
-        return self._settled or (self._accepted and local is not None and local.poll() != PENDING)
-
     def _outcome(self, seconds: float) -> None:
-        failure = self._failure
-        if isinstance(failure, TokenRefusedError):
-            raise self._fresh_failure()
-        if self._local_done():
-            return  # the work is done, whatever became of the exporter since
-        if failure is not None:
-            raise self._fresh_failure()
-        if self._settled:
+        state = self.state
+        if state == DONE:
             return
-        local = self._local
-        if local is not None and local.state == FAILED:
-            local.raise_failure()  # this process's own device failed
+        if state == FAILED:
+            raise self.failure()
         raise TimeoutError(f"{self!r} did not complete within {seconds} s")
