@@ -17,6 +17,7 @@ from ._config import Config as Config
 from ._config import configure as configure
 from ._drop_queue import DropQueue as DropQueue
 from ._drop_queue import DropQueueStatistics as DropQueueStatistics
+from ._exceptions import ClosedResourceError as ClosedResourceError
 from ._exceptions import DeviceError as DeviceError
 from ._exceptions import DriverNotFoundError as DriverNotFoundError
 from ._exceptions import FenceError as FenceError
@@ -35,6 +36,7 @@ from ._staging import StagingPoolStatistics as StagingPoolStatistics
 
 __all__ = (
     "BackendStatistics",
+    "ClosedResourceError",
     "Config",
     "DeviceBuffer",
     "DeviceError",

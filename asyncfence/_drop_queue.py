@@ -16,7 +16,7 @@ import anyio
 
 from ._config import check_timeout, current_config
 from ._core import FAILED, PENDING
-from ._exceptions import FenceError
+from ._exceptions import ClosedResourceError, FenceError
 from ._fence import cores_of
 from ._poller import current_poller
 from ._sync import Changes
@@ -217,7 +217,7 @@ class DropQueue:
             TypeError: A fence is not a Fence, ``free`` is not callable, or
                 ``nbytes`` is not an int.
             ValueError: ``nbytes`` is negative.
-            RuntimeError: The queue is closed.
+            ClosedResourceError: The queue is closed.
         """
         fences = cores_of(fence_or_fences)
         check_callable("free", free, optional=True)
@@ -266,6 +266,22 @@ class DropQueue:
             return list(self._faulted)
 
     # -- the queue's loop ---------------------------------------------------------
+
+    def bind(self) -> None:
+        """Make the running loop this queue's now, if it has none yet. Never blocks.
+
+        A queue made outside a loop belongs to the first loop that uses it,
+        and objects deferred from other threads before then wait for that.
+        Call this from the loop (at its startup, say) to have them released
+        as soon as their fences complete.
+
+        Raises:
+            RuntimeError: No asyncio or trio loop runs the calling task, or
+                the queue belongs to another event loop.
+
+        Thread-safety: the loop's thread.
+        """
+        self._bind()
 
     def _bind(self) -> Poller:
         poller = current_poller()
@@ -391,8 +407,8 @@ class DropQueue:
         Raises:
             TypeError: ``nbytes`` is not an int.
             ValueError: ``nbytes`` is negative.
-            RuntimeError: The queue is closed (or closes while this waits), or
-                belongs to another event loop.
+            ClosedResourceError: The queue is closed (or closes while this waits).
+            RuntimeError: The queue belongs to another event loop.
         """
         check_int("nbytes", nbytes, minimum=0)
         self._bind()
@@ -453,8 +469,8 @@ class DropQueue:
 
         Nothing is ever dropped silently. From the start of the call the queue
         is closed: :meth:`defer`, :meth:`wait_for_room` (waits under way
-        included) and ``async with`` raise ``RuntimeError``, as adding work
-        to a closed trio channel does. :meth:`drain`, :meth:`statistics` and
+        included) and ``async with`` raise :class:`~asyncfence.ClosedResourceError`
+        (anyio's), as adding work to a closed trio or anyio channel does. :meth:`drain`, :meth:`statistics` and
         closing again still work: closing twice is fine.
 
         Args:
@@ -492,13 +508,14 @@ class DropQueue:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this DropQueue is closed")
+            raise ClosedResourceError("this DropQueue is closed")
 
     async def __aenter__(self) -> Self:
         """Bind the queue to this loop; ``aclose()`` on the way out.
 
         Raises:
-            RuntimeError: The queue is closed, or belongs to another loop.
+            ClosedResourceError: The queue is closed.
+            RuntimeError: The queue belongs to another loop.
         """
         self._bind()
         await anyio.lowlevel.checkpoint()

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import anyio
+
 __all__ = [
+    "ClosedResourceError",
     "DeviceError",
     "DriverNotFoundError",
     "FenceError",
     "FenceLostError",
     "TokenRefusedError",
 ]
+
+
+class ClosedResourceError(anyio.ClosedResourceError):
+    """A closed :class:`~asyncfence.DropQueue` or :class:`~asyncfence.StagingPool` was used.
+
+    It is anyio's ``ClosedResourceError``, as trio and anyio raise for a
+    closed channel or stream: ``except anyio.ClosedResourceError`` catches it.
+    """
 
 
 class FenceError(Exception):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar, final
 
 from ._drop_queue import DropQueue
+from ._exceptions import ClosedResourceError
 from ._sync import Changes
 from ._validation import check_callable, check_int
 
@@ -134,19 +135,19 @@ class StagingPool(Generic[T]):
         """Take a buffer, waiting until one is reusable. Always a checkpoint.
 
         Raises:
-            RuntimeError: The pool is closed, or every buffer was lost to
-                device faults.
+            ClosedResourceError: The pool is closed.
+            RuntimeError: Every buffer was lost to device faults.
         """
         # Binds the returns to this loop, if the pool was made outside one:
         # buffers handed back from other threads then reach it.
-        self._returns._bind()
+        self._returns.bind()
 
         def ready() -> bool:
             return bool(self._free) or self._closed or len(self._lost) == self._count
 
         await self._changes.wait_until(ready)
         if self._closed:
-            raise RuntimeError("the StagingPool is closed")
+            raise ClosedResourceError("the StagingPool is closed")
         if not self._free:
             raise RuntimeError("every staging buffer was lost to a device fault")
         return self._free.popleft()

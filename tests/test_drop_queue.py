@@ -18,7 +18,7 @@ import asyncfence
 from asyncfence import DeviceError, DropQueue, FenceError
 from asyncfence.testing import StreamGate, hold
 
-from .conftest import let_loop_run, until
+from .conftest import HANG_GUARD_S, let_loop_run, until
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup, ExceptionGroup
@@ -214,13 +214,13 @@ async def test_a_close_that_raises_still_closes(queue: cl.CommandQueue) -> None:
     dq.defer(asyncfence.record(queue), Buffer("bad"), free=broken)
     with pytest.raises(ExceptionGroup):
         await dq.aclose()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(asyncfence.ClosedResourceError, match="closed"):
         dq.defer([], Buffer("late"))
     other = DropQueue()
     with pytest.raises(ExceptionGroup):
         async with other:
             other.defer(asyncfence.record(queue), Buffer("bad"), free=broken)
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(asyncfence.ClosedResourceError, match="closed"):
         other.defer([], Buffer("late"))
 
 
@@ -238,7 +238,7 @@ async def test_a_closed_queue_refuses_new_work_and_closes_twice_fine(
         async def wait_for_room() -> None:
             try:
                 await dq.wait_for_room()
-            except RuntimeError as error:
+            except anyio.ClosedResourceError as error:  # asyncfence's is anyio's
                 refused.append(error)
 
         async with anyio.create_task_group() as tg:
@@ -248,14 +248,15 @@ async def test_a_closed_queue_refuses_new_work_and_closes_twice_fine(
             tg.start_soon(dq.aclose)  # drains, so it waits for the held queue
             await until(lambda: bool(refused))  # the wait for room failed at once
             assert "closed" in str(refused[0])
-            with pytest.raises(RuntimeError, match="closed"):
+            assert isinstance(refused[0], asyncfence.ClosedResourceError)
+            with pytest.raises(asyncfence.ClosedResourceError, match="closed"):
                 dq.defer([], Buffer("late"))
             assert buffer.freed == 0
             gate.release()
     assert buffer.freed == 1
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(asyncfence.ClosedResourceError, match="closed"):
         await dq.wait_for_room()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(asyncfence.ClosedResourceError, match="closed"):
         async with dq:
             pass
     await dq.drain()  # nothing pending: returns
@@ -324,7 +325,7 @@ async def test_close_drains_and_then_refuses(queue: cl.CommandQueue) -> None:
             assert buffer.freed == 0
             gate.release()
     assert buffer.freed == 1
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(asyncfence.ClosedResourceError, match="closed"):
         dq.defer([], Buffer("late"))
 
 
@@ -582,3 +583,38 @@ async def test_drain_with_timeout_zero_times_out_when_something_is(
         with pytest.raises(TimeoutError):
             await drop.drain(timeout=0)
         gate.release()
+
+
+async def test_a_queue_made_off_the_loop_and_bound_frees_what_threads_deferred(
+    queue: cl.CommandQueue,
+) -> None:
+    # Made and deferred to from another thread before any use on the loop:
+    # bind() makes this loop its own, and the objects are released when done.
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        buffer = Buffer("from a thread")
+
+        def make_and_defer() -> DropQueue:
+            made = DropQueue()
+            made.defer(fence, buffer, free=Buffer.free)
+            return made
+
+        dq = await anyio.to_thread.run_sync(make_and_defer)
+        dq.bind()
+        dq.bind()  # again: the same loop, a no-op
+        gate.release()
+    with anyio.fail_after(HANG_GUARD_S):
+        await until(lambda: buffer.freed == 1)
+    assert dq.statistics().pending_items == 0
+    await dq.aclose()
+
+
+def test_a_queue_bound_to_one_loop_refuses_another(queue: cl.CommandQueue) -> None:
+    dq = DropQueue()
+    anyio.run(_bind, dq)
+    with pytest.raises(RuntimeError, match="another event loop"):
+        anyio.run(_bind, dq)
+
+
+async def _bind(dq: DropQueue) -> None:
+    dq.bind()

@@ -37,7 +37,7 @@ async def test_a_closed_staging_pool_refuses_acquire_and_disposes_late_returns(
     held = await pool.acquire()  # taken before the close, returned after it
     await pool.aclose()
     assert len(disposed) == 1
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(asyncfence.ClosedResourceError, match="closed"):
         await pool.acquire()
     pool.release_after(asyncfence.record(queue), held)
     assert len(disposed) == 1  # the device may still read it
@@ -56,7 +56,7 @@ async def test_closing_a_staging_pool_wakes_its_waiting_acquirers() -> None:
     async def acquire() -> None:
         try:
             await pool.acquire()
-        except RuntimeError as error:
+        except asyncfence.ClosedResourceError as error:
             failures.append(error)
 
     async with anyio.create_task_group() as tasks:
