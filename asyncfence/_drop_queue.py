@@ -469,9 +469,10 @@ class DropQueue:
 
         Nothing is ever dropped silently. From the start of the call the queue
         is closed: :meth:`defer`, :meth:`wait_for_room` (waits under way
-        included) and ``async with`` raise :class:`~asyncfence.ClosedResourceError`
-        (anyio's), as adding work to a closed trio or anyio channel does. :meth:`drain`, :meth:`statistics` and
-        closing again still work: closing twice is fine.
+        included) and ``async with`` raise
+        :class:`~asyncfence.ClosedResourceError` (anyio's), as adding work to
+        a closed trio or anyio channel does. :meth:`drain`, :meth:`statistics`
+        and closing again still work: closing twice is fine.
 
         Args:
             cancel_pending: Instead of waiting, hand each pending object to
