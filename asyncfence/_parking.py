@@ -69,6 +69,9 @@ WakePath = Literal["native", "polling"]
 _shim_warned = False
 _shim_warned_lock = threading.Lock()
 
+# Streams of unsignalled fences re-checked per step at most (no shim: every
+# parked fence is unsignalled), so that a round over thousands is spread.
+_UNSIGNALLED_SLICE = 64
 # The clock of the re-check schedule; apart from the fences' ages (the
 # poller's) so that each can be set alone.
 _recheck_clock = time.monotonic
@@ -127,6 +130,10 @@ class Parking:
         self._unsignalled: set[FenceCore] = set()
         self._unsignalled_sleep = FIRST_SLEEP_S
         self._unsignalled_due = 0.0
+        # The streams of unsignalled fences a round of re-checks has yet to
+        # query (a slice a step), and whether that round found anything.
+        self._unsignalled_round: list[Hashable] = []
+        self._unsignalled_found = False
         # Armed signals not yet fired, by token: a signal's token is its
         # fence's record number, unique in the process, so a token names one
         # fence for good. The fence is held until its signal fires (its waits
@@ -434,11 +441,7 @@ class Parking:
         queried = False
         if self._unsignalled and now >= self._unsignalled_due:
             queried = True
-            found = self._progress({fence.queue.key for fence in self._unsignalled})
-            cap = current_config().poll_cap
-            sleep = FIRST_SLEEP_S if found else min(2 * self._unsignalled_sleep, cap)
-            self._unsignalled_sleep = sleep
-            self._unsignalled_due = now + sleep
+            self._recheck_unsignalled(now)
         interval = current_config().recheck_interval
         due: list[Hashable] = []
         if now >= self._throttled_until:
@@ -462,6 +465,31 @@ class Parking:
             return self._recheck_delay()
         self._stop_rechecks()
         return None
+
+    def _recheck_unsignalled(self, now: float) -> None:
+        """Query a slice of the streams of unsignalled fences; the next slice comes next turn.
+
+        A round takes every such stream, :data:`_UNSIGNALLED_SLICE` a step,
+        so that thousands of them (no shim) never hold the loop at once;
+        the next round comes after a sleep that doubles, up to ``poll_cap``,
+        while rounds find nothing.
+        """
+        round_left = self._unsignalled_round
+        if not round_left:
+            round_left.extend({fence.queue.key for fence in self._unsignalled})
+            self._unsignalled_found = False
+        batch = round_left[-_UNSIGNALLED_SLICE:]
+        del round_left[-_UNSIGNALLED_SLICE:]
+        if self._progress(batch):
+            self._unsignalled_found = True
+        if round_left:
+            self._unsignalled_due = now  # the rest of the round: on the next turn
+            return
+        cap = current_config().poll_cap
+        found = self._unsignalled_found
+        sleep = FIRST_SLEEP_S if found else min(2 * self._unsignalled_sleep, cap)
+        self._unsignalled_sleep = sleep
+        self._unsignalled_due = now + sleep
 
     def _stop_rechecks(self) -> None:
         """Nothing is parked: the chain stops, so what the schedule holds must go too.

@@ -36,6 +36,7 @@ from benchmarks.bench.base import (
     default_executor_workers,
 )
 from benchmarks.bench.cross_process import CROSS_PROCESS_CONTENDERS
+from benchmarks.bench.load import FENCE_PER_WAIT, FLOOR_PER_WAIT
 from benchmarks.bench.report import (
     BELOW_FLOOR,
     build_report,
@@ -822,6 +823,11 @@ def check_every_scenario(
         assert set(per) == {"10", "1000"}
         assert all(figures["lag_p99_s"] >= 0 for figures in per.values())
     assert summary["scale"][POLL]["10"]["tick_mean_s"] > 0
+    heap = summary["heap_per_wait"]
+    assert list(heap) == [FLOOR_PER_WAIT, FENCE_PER_WAIT, "the fence's share"]
+    assert heap[FLOOR_PER_WAIT] > 0
+    assert heap[FENCE_PER_WAIT] > 0
+    assert heap["the fence's share"] == pytest.approx(heap[FENCE_PER_WAIT] - heap[FLOOR_PER_WAIT])
     if device_row:  # OpenCL: its out-of-order queues, beside in-order ones; and the scale
         smoke = BenchConfig.smoke()
         at_scale = summary["parked_at_scale"]
@@ -831,6 +837,8 @@ def check_every_scenario(
             assert figures["wakes"] == smoke.scaling_released * smoke.scaling_rounds
             assert 0 < figures["wake_p50_s"] <= figures["wake_p99_s"] < math.inf
             assert 0 <= figures["lag_p99_s"] <= figures["lag_max_s"]
+            # The runtime alone, beside it: the same gates, no fence.
+            assert 0 <= figures["alone_lag_p99_s"] <= figures["alone_lag_max_s"]
             assert figures["queries_per_wake"] >= 1  # each woken fence asked at least once
         one_by_one = summary["parked_one_by_one"]
         for kind in ("in-order", "out-of-order"):

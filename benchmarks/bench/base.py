@@ -208,7 +208,7 @@ class BenchConfig:
     streams: int = 64
     drop_objects: int = 100_000
     one_by_one_fences: int = 2000
-    scaling_sizes: tuple[int, ...] = (64, 1024, 16384)
+    scaling_sizes: tuple[int, ...] = (1024, 4096, 16384)
     scaling_released: int = 64
     scaling_gap_s: float = 0.002
     scaling_rounds: int = 3
@@ -267,6 +267,8 @@ class Results:
             and the device queries and signals per fence.
         parked_scaling: Per number of held queues (one parked fence each),
             the wake latencies and loop lag while some are released.
+        per_wait: Python heap per parked wait with a timeout, in bytes: a
+            fence's, the plain-future floor's, and the fence's share.
         relay: Per flood of the relay, the exporting loop's lag and the
             owner's import beside it.
         completed: Scenario keys in the order they finished.
@@ -282,6 +284,7 @@ class Results:
     signal_hold: dict[str, list[float]] = field(default_factory=dict)
     one_by_one: dict[str, dict[str, float]] = field(default_factory=dict)
     parked_scaling: dict[int, dict[str, float]] = field(default_factory=dict)
+    per_wait: dict[str, float] = field(default_factory=dict)
     relay: dict[str, dict[str, float | None]] = field(default_factory=dict)
     completed: list[str] = field(default_factory=list)
 

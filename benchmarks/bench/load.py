@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import threading
@@ -16,7 +17,7 @@ import asyncfence
 from asyncfence.testing import OpenCLDevice, StreamGate
 
 from ..measure import loop_lag, os_thread_count, percentile, python_threads_cpu, rss_bytes
-from .base import PARK, Releaser, gather
+from .base import PARK, Releaser, gather, on_trio
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from .targets import Contender, Context
 
 __all__ = [
+    "FENCE_PER_WAIT",
+    "FLOOR_PER_WAIT",
     "cpu_while_parked",
     "cpu_while_waiting",
     "parked_at_scale",
@@ -165,6 +168,86 @@ async def parked_queues(ctx: Context) -> None:
                 }
         finally:
             tracemalloc.stop()  # a no-op once stopped
+    if any(c.name == PARK for c in ctx.entrants):
+        ctx.results.per_wait.update(await _heap_per_wait(streams, settle))
+
+
+#: The rows of the heap-per-wait figures: a parked fence, and the floor.
+FENCE_PER_WAIT = "asyncfence park: record, task, wait(timeout=120)"
+FLOOR_PER_WAIT = "plain future: task, await inside a 120 s timeout"
+
+
+async def _heap_per_wait(streams: list[Any], settle: float) -> dict[str, float]:
+    """Python heap per wait, with a timeout: a parked fence beside a task awaiting a plain future.
+
+    Both under tracemalloc over the same number of waits; the fence's row
+    counts its record too (the fence, its core and its marker), the floor
+    the future. On trio the floor is a ``trio.Event`` awaited inside
+    ``trio.fail_after``, on asyncio a bare future inside ``asyncio.timeout``.
+    """
+    count = len(streams)
+    figures: dict[str, float] = {}
+    for name in (FLOOR_PER_WAIT, FENCE_PER_WAIT):
+        gates = [StreamGate(stream) for stream in streams] if name == FENCE_PER_WAIT else []
+        wake, waits = _plain_waits(count) if name == FLOOR_PER_WAIT else (None, [])
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            async with anyio.create_task_group() as tg:
+                if name == FENCE_PER_WAIT:
+                    fences = [asyncfence.record(stream) for stream in streams]
+                    for fence in fences:
+                        tg.start_soon(functools.partial(fence.wait, 120, strategy="park"))
+                else:
+                    for wait in waits:
+                        tg.start_soon(wait)
+                await anyio.sleep(settle)
+                figures[name] = (tracemalloc.get_traced_memory()[0] - before) / count
+                tracemalloc.stop()
+                for gate in gates:
+                    gate.release()
+                if wake is not None:
+                    wake()
+        finally:
+            tracemalloc.stop()
+            for gate in gates:
+                gate.release()
+    figures["the fence's share"] = figures[FENCE_PER_WAIT] - figures[FLOOR_PER_WAIT]
+    return figures
+
+
+def _plain_waits(
+    count: int,
+) -> tuple[Callable[[], None], list[Callable[[], Coroutine[Any, Any, None]]]]:
+    """``count`` waits on plain futures, each inside a 120 s timeout, and what wakes them all."""
+    if on_trio():
+        import trio
+
+        events = [trio.Event() for _ in range(count)]
+
+        async def trio_wait(event: trio.Event) -> None:
+            with trio.fail_after(120):
+                await event.wait()
+
+        def set_all() -> None:
+            for event in events:
+                event.set()
+
+        return set_all, [functools.partial(trio_wait, event) for event in events]
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    futures = [loop.create_future() for _ in range(count)]
+
+    async def future_wait(future: asyncio.Future[None]) -> None:
+        async with asyncio.timeout(120):
+            await future
+
+    def resolve_all() -> None:
+        for future in futures:
+            future.set_result(None)
+
+    return resolve_all, [functools.partial(future_wait, future) for future in futures]
 
 
 async def throughput(ctx: Context) -> None:
@@ -317,7 +400,7 @@ async def _one_by_one(park: Contender, stream: Any, count: int) -> dict[str, flo
 
 
 async def parked_at_scale(ctx: Context) -> None:
-    """One parked fence on each of 64, 1,024 and 16,384 held queues, a few released 2 ms apart.
+    """One parked fence on each of 1,024, 4,096 and 16,384 held queues, a few released 2 ms apart.
 
     ``asyncfence park`` only: what grows with the parked fences. Per size,
     every wait parks, then a releaser thread releases ``scaling_released``
@@ -327,7 +410,9 @@ async def parked_at_scale(ctx: Context) -> None:
     re-checks of all of them fall inside the window. A wake's latency runs
     from its gate's stamp to its task's resumption; the loop's lag is how
     much later than asked a probe task that sleeps a millisecond at a time
-    resumes, over the whole window.
+    resumes, over the whole window. Beside each size, PoCL alone: the same
+    queues, gates and markers (the device's own events) with no fence and no
+    wait, the same gates released the same way, the same probe.
     """
     target, config = ctx.target, ctx.config
     park = next((c for c in ctx.entrants if c.name == PARK), None)
@@ -336,10 +421,52 @@ async def parked_at_scale(ctx: Context) -> None:
     for size in config.scaling_sizes:
         streams = [target.device.new_stream() for _ in range(size)]
         try:
-            ctx.results.parked_scaling[size] = await _parked_at_scale(park, streams, config)
+            figures = await _parked_at_scale(park, streams, config)
+            figures.update(await _runtime_alone(ctx.target, streams, config))
+            ctx.results.parked_scaling[size] = figures
         finally:
             for stream in streams:
                 target.device.close_stream(stream)
+
+
+async def _runtime_alone(target: Any, streams: list[Any], config: Any) -> dict[str, float]:
+    """The loop's lag with the same gates and releases, and no fence: the runtime's own share."""
+    gates = [StreamGate(stream) for stream in streams]
+    markers = [target.raw_record(stream) for stream in streams]
+    rng = random.Random(12)
+    chosen = rng.sample(
+        range(len(streams)), min(len(streams), config.scaling_released * config.scaling_rounds)
+    )
+    lags: list[float] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            probing = [True]
+
+            async def probe() -> None:
+                while probing[0]:
+                    sent = time.perf_counter()
+                    await anyio.sleep(_PROBE_INTERVAL_S)
+                    lags.append(max(time.perf_counter() - sent - _PROBE_INTERVAL_S, 0.0))
+
+            tg.start_soon(probe)
+            with Releaser() as releaser:
+                for start in range(0, len(chosen), config.scaling_released):
+                    batch = chosen[start : start + config.scaling_released]
+                    stamps = releaser.release_in_turn(
+                        (config.scaling_gap_s, gates[index]) for index in batch
+                    )
+                    while len(stamps) < len(batch):  # noqa: ASYNC110 (the loop stays free)
+                        await anyio.sleep(0.001)
+            probing[0] = False
+    finally:
+        for gate in gates:
+            gate.release()
+    for marker in markers:
+        target.raw_done(marker)
+    return {
+        "alone_lag_p99_s": percentile(lags, 0.99),
+        "alone_lag_max_s": max(lags, default=math.nan),
+    }
 
 
 async def _parked_at_scale(park: Contender, streams: list[Any], config: Any) -> dict[str, float]:

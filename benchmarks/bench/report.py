@@ -217,6 +217,8 @@ def summarize(results: Results) -> dict[str, Any]:
         }
     if results.relay:
         summary["relay_floods"] = dict(results.relay)
+    if results.per_wait:
+        summary["heap_per_wait"] = dict(results.per_wait)
     if results.signal_hold:
         summary["signal_hold"] = {
             name: {"p50_us": percentile(s, 0.5) * 1e6, "max_us": max(s) * 1e6, "trials": len(s)}
@@ -533,6 +535,8 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
                 "wake p99 µs",
                 "loop lag p99 µs",
                 "loop lag max µs",
+                "runtime alone: lag p99 µs",
+                "runtime alone: lag max µs",
                 "re-checks",
                 "queries per wake",
             ],
@@ -544,6 +548,8 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
                     _number(f["wake_p99_s"] * 1e6),
                     _number(f["lag_p99_s"] * 1e6),
                     _number(f["lag_max_s"] * 1e6),
+                    _number(f["alone_lag_p99_s"] * 1e6),
+                    _number(f["alone_lag_max_s"] * 1e6),
                     _number(f["rechecks"]),
                     _number(f["queries_per_wake"], 2),
                 ]
@@ -551,7 +557,18 @@ def tables(summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Table]:
             ],
             [
                 "One parked fence per held queue; the gates released 2 ms apart by a thread. "
-                "Flat from the fewest queues to the most is the aim: lower is better."
+                "Flat from the fewest queues to the most is the aim: lower is better.",
+                "runtime alone: the same queues, gates, markers and releases, with no fence "
+                "and no wait: the device runtime's own share of the lag.",
+            ],
+        )
+    if "heap_per_wait" in summary:
+        result["Python heap per parked wait, with a timeout (bytes)"] = Table(
+            ["wait", "bytes"],
+            [[name, _number(value)] for name, value in summary["heap_per_wait"].items()],
+            [
+                "tracemalloc over the same number of waits, each in a task of its own; "
+                "the fence's share is its row less the plain future's: what asyncfence adds."
             ],
         )
     if "relay_floods" in summary:

@@ -172,7 +172,7 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         "parked_at_scale",
-        "parked fences on 64 to 16,384 queues, a few released one by one",
+        "parked fences on 1,024 to 16,384 queues, a few released one by one",
         load.parked_at_scale,
         lambda c, n: sum(
             s * 1.5e-4 + c.scaling_rounds * c.scaling_released * (c.scaling_gap_s + 1e-3)
