@@ -1122,6 +1122,52 @@ async def test_a_thousand_parked_waits_start_no_thread(
 # -- without the native shim --------------------------------------------------------
 
 
+@pytest.mark.usefixtures("without_shim")
+async def test_without_the_shim_a_round_of_rechecks_takes_a_slice_of_streams_a_turn(
+    device: OpenCLDevice, loop_clock: LoopClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Thousands of unsignalled streams must never be queried in one turn: a
+    # round takes a slice a step, the next slice at once (delay 0), and only
+    # then sleeps.
+    monkeypatch.setattr(_parking, "_UNSIGNALLED_SLICE", 4)
+    queried: list[int] = []
+    real_progress = _parking.Parking._progress
+
+    def noted(self: _parking.Parking, keys: Any) -> Any:
+        keys = list(keys)
+        queried.append(len(keys))
+        return real_progress(self, keys)
+
+    monkeypatch.setattr(_parking.Parking, "_progress", noted)
+    queues = [device.new_stream() for _ in range(10)]
+    gates = [StreamGate(queue) for queue in queues]
+    fences = [asyncfence.record(queue) for queue in queues]
+    try:
+        async with anyio.create_task_group() as tg:
+            for fence in fences:
+                tg.start_soon(partial(fence.wait, strategy="park"))
+            await until(lambda: asyncfence.current_statistics().parked == 10)
+            parking = current_poller()._parking
+            assert isinstance(parking, _parking.Parking)
+            queried.clear()
+            delays: list[float | None] = []
+            loop_clock.now += parking._recheck_delay()
+            for _ in range(3):
+                delays.append(parking._recheck_step())
+                loop_clock.now += delays[-1] or 0.0
+            assert queried == [4, 4, 2]  # one round, a slice a step
+            assert delays[:2] == [0.0, 0.0]  # the rest of the round: next turn
+            assert delays[2] is not None
+            assert delays[2] > 0  # the round is over: a sleep before the next
+            loop_clock.run_free()
+            for gate in gates:
+                gate.release()
+    finally:
+        for gate in gates:
+            gate.release()
+    assert all(fence.done() for fence in fences)
+
+
 @pytest.mark.usefixtures("without_shim", "no_thread_from_asyncfence")
 async def test_without_the_shim_parked_waits_are_rechecked_backing_off_to_poll_cap(
     device: OpenCLDevice, loop_clock: LoopClock
