@@ -23,7 +23,7 @@ import functools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from ._config import current_config
 from ._core import PENDING
@@ -38,14 +38,40 @@ from ._native import (
 from ._recheck import RecheckSchedule
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable, Iterable
+    from collections.abc import Collection, Hashable, Iterable
 
     from ._core import ArmResult, FenceCore
-    from ._poller import Poller
+    from ._loops import LoopDriver
 
-__all__ = ["FIRST_SLEEP_S", "RECHECK_RATE", "Parking", "WakePath", "new_mailbox", "settled_now"]
+__all__ = [
+    "FIRST_SLEEP_S",
+    "RECHECK_RATE",
+    "Parking",
+    "Waits",
+    "WakePath",
+    "new_mailbox",
+    "settled_now",
+]
 
 _logger = logging.getLogger("asyncfence.poller")
+
+
+class Waits(Protocol):
+    """What the parking needs of its poller: the loop, who waits, and the one wake.
+
+    The poller (:class:`~asyncfence._poller.Poller`) is the one that does.
+    """
+
+    @property
+    def driver(self) -> LoopDriver:
+        """The loop's driver."""
+
+    @property
+    def awaited(self) -> Collection[object]:
+        """What some wait on this loop waits for (``in`` it, without a call)."""
+
+    def wake(self, fence: FenceCore, unexpected: Exception | None = None) -> None:
+        """Resume every wait on the settled ``fence``."""
 
 #: First sleep of an unsignalled parked fence's re-checks (and of polling
 #: once the spin budget is spent); sleeps double up to poll_cap.
@@ -122,7 +148,7 @@ class Parking:
     Every parked stream is re-checked as well, on its own schedule.
     """
 
-    def __init__(self, poller: Poller, mailbox: NativeMailbox | None) -> None:
+    def __init__(self, poller: Waits, mailbox: NativeMailbox | None) -> None:
         self._poller = poller
         self._driver = poller.driver
         #: The parked fences (read by the poller; changed here only).
@@ -173,7 +199,7 @@ class Parking:
 
     def _woken(self, fence: FenceCore) -> bool:
         """Whether ``fence`` is parked with no wait left on it (its waiters woken or gone)."""
-        return fence in self.parked and not self._poller.is_awaited(fence)
+        return fence in self.parked and fence not in self._poller.awaited
 
     @property
     def armed(self) -> int:
