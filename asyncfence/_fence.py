@@ -9,11 +9,11 @@ poller to wake it. Design: ``docs/design.md`` ("Fences", "Waiting").
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, final
 
 from ._backend import backend_for
+from ._blocking import block_until_settled
 from ._config import STRATEGIES, Strategy, check_strategy, check_timeout, current_config
 from ._core import DONE, FAILED, PENDING, FenceCore, record_core
 from ._loops import current_driver
@@ -33,8 +33,6 @@ _KNOWN_STRATEGIES = frozenset(STRATEGIES)
 # How record() makes a handle around its core (Fence.__new__ refuses callers):
 # inline, since a classmethod's call would cost as much again.
 _new_handle = object.__new__
-# wait_sync sleeps between polls, the sleep doubling up to this.
-_BLOCKING_SLEEP_CAP_S = 1e-3
 
 
 @final
@@ -92,8 +90,20 @@ class Fence:
     def wait_sync(self, timeout: float | None = None) -> None:
         """Block the calling thread until the device has passed this fence.
 
-        For synchronous code and worker threads; in a coroutine, ``await`` the
-        fence instead. The wait stays interruptible (``KeyboardInterrupt``).
+        For synchronous code and worker threads (an engine's step loop, say);
+        in a coroutine, ``await`` the fence instead. The thread sleeps on the
+        same completion signal a parked await uses (the native shim): it
+        spends no CPU while it waits and wakes as soon as the runtime says
+        the work is done. A fault sends no signal, so it also queries the
+        fence every ``recheck_interval`` (see :func:`asyncfence.configure`):
+        a failure ends the wait within that. Without the shim it sleeps
+        between queries, doubling from 20 µs up to a millisecond. The wait
+        stays interruptible (``KeyboardInterrupt``), and starts no thread.
+
+        It never blocks in the runtime's own wait, which takes no timeout
+        (``clWaitForEvents``) or spins (``cuEventSynchronize`` without
+        ``CU_EVENT_BLOCKING_SYNC``): a drop-in for ``event.synchronize()``
+        with a bound (see [waiting](waiting.md#from-synchronous-code)).
 
         Args:
             timeout: Seconds to wait at most; ``None`` waits without limit.
@@ -101,28 +111,10 @@ class Fence:
         Raises:
             TimeoutError: The timeout expired first. The fence stays valid.
             DeviceError: The work before the fence failed.
+
+        Thread-safety: any thread, any number at once.
         """
-        limit = check_timeout(timeout)
-        core = self._core
-        # The runtimes' own blocking waits cannot be timed out or interrupted
-        # (cuEventSynchronize busy-waits; clWaitForEvents takes no timeout), so
-        # this sleeps between polls, doubling from 20 µs up to a millisecond:
-        # next to no CPU, and Ctrl-C gets through. It polls the fence, never
-        # its marker: another thread may settle the fence meanwhile, and a
-        # pooled CUDA event is then recording someone else's work.
-        deadline = time.monotonic() + limit
-        sleep = 20e-6
-        while True:
-            state = core.poll()
-            if state == DONE:
-                return
-            if state == FAILED:
-                core.raise_failure()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{self!r} did not complete within {timeout} s")
-            time.sleep(min(sleep, remaining))
-            sleep = min(sleep * 2, _BLOCKING_SLEEP_CAP_S)
+        block_until_settled(self._core, check_timeout(timeout), repr(self))
 
     def enqueue_wait(self, stream: object) -> None:
         """Make ``stream`` wait on the device for this fence. Never blocks the host.

@@ -73,6 +73,7 @@ class Waits(Protocol):
     def wake(self, fence: FenceCore, unexpected: Exception | None = None) -> None:
         """Resume every wait on the settled ``fence``."""
 
+
 #: First sleep of an unsignalled parked fence's re-checks (and of polling
 #: once the spin budget is spent); sleeps double up to poll_cap.
 FIRST_SLEEP_S = 50e-6

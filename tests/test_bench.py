@@ -28,9 +28,11 @@ from benchmarks.bench.base import (
     PARK,
     POLL,
     POLLED_10MS,
+    RUNTIME_BLOCKING,
     SLEEP_0,
     SLEEP_1MS,
     TO_THREAD,
+    WAIT_SYNC,
     BenchConfig,
     Results,
     default_executor_workers,
@@ -724,6 +726,20 @@ def check_cross_process(figures: dict[str, Any]) -> None:
                 assert f["p50_vs_polled"] == pytest.approx(f["p50_us"] / polled["p50_us"])
 
 
+def check_wait_sync(summary: dict[str, Any]) -> None:
+    """A thread's synchronous wait beside the runtime's own: measured, and idle while blocked."""
+    figures = summary["wait_sync"]
+    assert sorted(figures) == sorted([WAIT_SYNC, RUNTIME_BLOCKING])
+    for name, f in figures.items():
+        assert f["trials"] == BenchConfig.smoke().wait_sync_trials, name
+        assert f["timeouts"] == 0, name
+        assert 0 < f["p50_us"] <= f["p99_us"] <= f["max_us"], name
+    assert figures[RUNTIME_BLOCKING]["p50_vs_runtime"] == 1.0
+    cpu = summary["wait_sync_cpu"]
+    assert sorted(cpu) == sorted([WAIT_SYNC, RUNTIME_BLOCKING])
+    assert all(0 <= f["cpu_per_wall"] < 1 for f in cpu.values())
+
+
 def check_relay(summary: dict[str, Any]) -> None:
     """A failure crossed every trial, as fast as a local waiter; each flood was answered."""
     failure = summary["failure_cross_process"]
@@ -901,9 +917,10 @@ def test_quick_bench_reports_every_scenario_for_every_contender(tmp_path: Path) 
     latency_tables = [
         block for block in result.stdout.split("\n\n") if block.startswith("wake latency, µs")
     ]
-    # And the two across processes: the wake, and a failure.
-    assert len(latency_tables) == len(LATENCY) + 2
+    # And the two across processes (the wake, and a failure), and a thread's.
+    assert len(latency_tables) == len(LATENCY) + 3
     check_relay(summary)
+    check_wait_sync(summary)
     assert "the exporting loop beside floods of its relay" in result.stdout
     for block in latency_tables:
         assert not re.search(NEGATIVE, block), block

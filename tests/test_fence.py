@@ -14,13 +14,14 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
 
 import asyncfence
-from asyncfence import DeviceError, Fence, _core
+from asyncfence import DeviceError, Fence, _blocking, _core
 from asyncfence._backend import backend_for, backend_names
 from asyncfence._backends import opencl as _opencl
 from asyncfence.testing import StreamGate, hold, open_default_device
@@ -403,6 +404,51 @@ def test_wait_sync_blocks_until_released(queue: Any) -> None:
         threading.Timer(0.0, gate.release).start()
         fence.wait_sync(timeout=30)
     assert fence.done()
+
+
+def test_wait_sync_sleeps_on_the_completion_signal(
+    queue: Any, wake_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With the shim, the thread blocks on its mailbox: it queries the fence
+    # when the signal comes (and every recheck_interval, an hour here), never
+    # in a loop of sleeps.
+    if wake_path != "native":
+        pytest.skip("without the shim, wait_sync sleeps between queries")
+    asyncfence.configure(recheck_interval=3600.0)
+    queries = 0
+    real_poll = _core.FenceCore.poll
+
+    def counted(self: _core.FenceCore, **kwargs: Any) -> int:
+        nonlocal queries
+        queries += 1
+        return real_poll(self, **kwargs)
+
+    blocked = threading.Event()
+    real_sleep_on_signal = _blocking._sleep_on_signal
+
+    def noted(*args: Any) -> None:
+        blocked.set()
+        real_sleep_on_signal(*args)
+
+    monkeypatch.setattr(_blocking, "_sleep_on_signal", noted)
+    monkeypatch.setattr(time, "sleep", _no_sleep)
+    with hold(queue) as gate:
+        fence = asyncfence.record(queue)
+        monkeypatch.setattr(_core.FenceCore, "poll", counted)
+        waiter = threading.Thread(target=fence.wait_sync, kwargs={"timeout": 30})
+        waiter.start()
+        assert blocked.wait(30)
+        before = queries
+        gate.release()
+        waiter.join(30)
+    assert not waiter.is_alive()
+    assert fence.done()
+    # Once signalled: a query or two (the one that found it done), no more.
+    assert queries - before <= 2
+
+
+def _no_sleep(seconds: float) -> None:
+    raise AssertionError(f"wait_sync slept {seconds} s instead of waiting on the signal")
 
 
 @fails_a_gate

@@ -30,9 +30,11 @@ __all__ = [
     "NUMBA",
     "PARK",
     "POLL",
+    "RUNTIME_BLOCKING",
     "SLEEP_0",
     "SLEEP_1MS",
     "TO_THREAD",
+    "WAIT_SYNC",
     "BenchConfig",
     "Releaser",
     "Results",
@@ -61,6 +63,9 @@ MESSAGE_AFTER_SYNC = "message after sync"
 POLLED_10MS = "polled, 10 ms"
 # A failure across processes (``relay.py``): the producer's own wait, and the
 # import while the producer is idle or awaits the fence too.
+# A synchronous wait (``blocking.py``): asyncfence's, and the runtime's own.
+WAIT_SYNC = "wait_sync"
+RUNTIME_BLOCKING = "runtime's blocking wait"
 LOCAL_WAITER = "local waiter"
 IMPORT_IDLE = "import, producer idle"
 IMPORT_AWAITED = "import, producer awaits"
@@ -158,6 +163,8 @@ class BenchConfig:
         saturated_timeout_s: The bound on each trial on the saturated loop.
         cpu_thread_trials: Trials per contender beside a CPU-bound thread.
         cross_process_trials: Trials per way of resuming across processes.
+        wait_sync_trials: Trials per blocking wait of its wake latency.
+        wait_sync_cpu_trials: Waits of a second per blocking wait, for CPU.
         relay_failure_trials: Trials of a failure crossing, per way the
             producer treats its fence.
         relay_flood_connections: Connections in each flood of the relay.
@@ -193,6 +200,8 @@ class BenchConfig:
     saturated_timeout_s: float = 0.5
     cpu_thread_trials: int = 100
     cross_process_trials: int = 100
+    wait_sync_trials: int = 100
+    wait_sync_cpu_trials: int = 2
     relay_failure_trials: int = 30
     relay_flood_connections: int = 1000
     out_of_order_trials: int = 30
@@ -227,6 +236,8 @@ class BenchConfig:
             saturated_timeout_s=0.2,
             cpu_thread_trials=6,
             cross_process_trials=6,
+            wait_sync_trials=6,
+            wait_sync_cpu_trials=1,
             relay_failure_trials=3,
             relay_flood_connections=100,
             out_of_order_trials=3,

@@ -34,6 +34,7 @@ from .base import (
     PARK,
     POLL,
     POLLED_10MS,
+    RUNTIME_BLOCKING,
     SLEEP_0,
     SLEEP_1MS,
     TO_THREAD,
@@ -79,6 +80,10 @@ LATENCY_SCENARIOS = {
         "the fence, or reads a message a producer thread sends after a blocking sync, or "
         "polls for that message every 10 ms"
     ),
+    "wait_sync": (
+        "a thread blocked in a synchronous wait: asyncfence's wait_sync, or the runtime's "
+        "own blocking wait on a raw event at the same point; gate released 0.5-3 ms in"
+    ),
     "failure_cross_process": (
         "a failure across processes: the producer's gate failed 0.5-3 ms in; nothing there "
         "awaits the fence, or a task of its own does and then holds the loop 20 ms (its "
@@ -89,6 +94,9 @@ LATENCY_SCENARIOS = {
     ),
 }
 _CPU_SCENARIOS = {
+    "wait_sync_cpu": (
+        "CPU of a thread blocked a second in a synchronous wait, its own CPU s per wall s"
+    ),
     "cpu_while_parked": "CPU while 64 waits are parked, Python threads' CPU s per wall s",
     "cpu_while_waiting": "CPU while waiting on long work, Python threads' CPU s per wall s",
 }
@@ -138,6 +146,10 @@ def latency_figures(
         entry["p50_over_floor_us"] = None if below else _minus(entry["p50_us"], floor.get("p50_us"))
         entry["p99_over_floor_us"] = None if below else _minus(entry["p99_us"], floor.get("p99_us"))
         entry["p50_vs_to_thread"] = _ratio(entry["p50_us"], reference)
+    if RUNTIME_BLOCKING in figures:  # a synchronous wait: the runtime's own is the bound
+        runtime = figures[RUNTIME_BLOCKING]["p50_us"]
+        for entry in figures.values():
+            entry["p50_vs_runtime"] = _ratio(entry["p50_us"], runtime)
     if LOCAL_WAITER in figures:  # a failure across processes: the local bound
         local = figures[LOCAL_WAITER]["p50_us"]
         for entry in figures.values():
@@ -378,6 +390,8 @@ def _latency_table(key: str, figures: dict[str, Any], meta: dict[str, Any]) -> T
     versus = "to_thread" if TO_THREAD in figures or POLLED_10MS not in figures else "polled"
     if LOCAL_WAITER in figures:
         versus = "local waiter"
+    if RUNTIME_BLOCKING in figures:
+        versus = "runtime"
     columns += [f"p50 vs {versus}"]
     columns += ["late (> 11 ms)"] if late else []
     columns += ["timeouts"] if any_timeouts else []
@@ -415,6 +429,8 @@ def _latency_table(key: str, figures: dict[str, Any], meta: dict[str, Any]) -> T
             notes.append(f"{DEVICE_FINISH}: not a way to wait, so no overhead.")
     if versus == "polled":
         notes.append(f"vs polled: the p50 as a multiple of {POLLED_10MS}'s.")
+    elif versus == "runtime":
+        notes.append("vs runtime: the p50 as a multiple of the runtime's own blocking wait's.")
     elif versus == "local waiter":
         notes.append("vs local waiter: the p50 as a multiple of the producer's own wake's.")
     else:

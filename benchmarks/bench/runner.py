@@ -19,7 +19,7 @@ import anyio
 import asyncfence
 from asyncfence.testing import open_default_device
 
-from . import cross_process, drop, latency, load, relay, signal_hold
+from . import blocking, cross_process, drop, latency, load, relay, signal_hold
 from .base import BenchConfig, Results
 from .report import build_report, describe, plot, render, require_matplotlib, write_json
 from .targets import Context, contenders, device_finish_row, make_target, probe_contenders
@@ -109,6 +109,14 @@ SCENARIOS: list[Scenario] = [
         cross_process.cross_process,
         # Three ways per round, each 0.5-3 ms of held work, a 10 ms poll at worst.
         lambda c, n: (c.cross_process_trials + 1) * 3 * 0.008,
+    ),
+    Scenario(
+        "wait_sync",
+        "a synchronous wait beside the runtime's own blocking wait",
+        blocking.blocking_waits,
+        # Two ways per round, each 0.5-3 ms of held work; then held seconds.
+        lambda c, n: (c.wait_sync_trials + 1) * 2 * 0.005 + c.wait_sync_cpu_trials * 2 * 1.05,
+        times_device_row=False,
     ),
     Scenario(
         "failure_cross_process",
