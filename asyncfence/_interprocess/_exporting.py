@@ -31,6 +31,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Final, NamedTuple
@@ -100,20 +101,18 @@ class _Answer:
     the answer back. It is also the poller waiter that has the fence
     queried, for when nothing else in the process waits on it.
 
-    Thread-safety: any thread; the answer is sent once.
+    Thread-safety: any thread. The answer is sent once, under a lock that
+    the loop also takes to withdraw it before closing the connection: no
+    send can then land on a descriptor number the system gave out again.
     """
 
-    __slots__ = ("_unsent",)
+    __slots__ = ("_lock", "_unsent")
 
     def __init__(self, connection: socket.socket, *, shut_after: bool) -> None:
         # Without an interprocess handle nothing outlives the answer: shutting
         # the socket down then wakes the connection's task, which closes it.
-        # Popped by the one call that sends (list.pop is atomic).
         self._unsent = [(connection, shut_after)]
-
-    @property
-    def sent(self) -> bool:
-        return not self._unsent
+        self._lock = threading.Lock()
 
     def __call__(self, core: FenceCore) -> None:
         """The settle listener: send how the work ended. Never raises."""
@@ -124,21 +123,28 @@ class _Answer:
         self.send(error)
 
     def send(self, error: BaseException | None) -> None:
-        """Send the answer for ``error`` (``None``: done), unless one went out. Never raises."""
-        try:
+        """Send the answer for ``error`` (``None``: done), unless sent or withdrawn."""
+        with self._lock:
+            if not self._unsent:
+                return
             connection, shut_after = self._unsent.pop()
-        except IndexError:
-            return
-        try:
-            with contextlib.suppress(OSError):  # the importer went away
-                # A few hundred bytes on a socket that got one message at
-                # most before: never blocks.
-                connection.send(frame(answer_for(error)), socket.MSG_NOSIGNAL)
-            if shut_after:
-                with contextlib.suppress(OSError):
-                    connection.shutdown(socket.SHUT_RDWR)
-        except Exception:
-            _logger.exception("asyncfence: the fence relay failed to answer an import")
+            try:
+                with contextlib.suppress(OSError):  # the importer went away
+                    # A few hundred bytes on a socket that got one message
+                    # at most before: never blocks.
+                    connection.send(frame(answer_for(error)), socket.MSG_NOSIGNAL)
+                if shut_after:
+                    with contextlib.suppress(OSError):
+                        connection.shutdown(socket.SHUT_RDWR)
+            except Exception:
+                _logger.exception("asyncfence: the fence relay failed to answer an import")
+
+    def withdraw(self) -> bool:
+        """Take the connection back unanswered; whether it was (no send follows, either way)."""
+        with self._lock:
+            unsent = bool(self._unsent)
+            self._unsent.clear()
+            return unsent
 
 
 class _Relay:
@@ -364,7 +370,8 @@ class _Relay:
             # without a handle, the answer shuts this end down.
             await self._until_closed(connection)
         finally:
-            if not answer.sent:  # the importer went away, or the loop ends
+            # Before the connection closes: no thread may send on it after.
+            if answer.withdraw():  # the importer went away, or the loop ends
                 core.forget_listener(answer)
             poller.discard(core, answer)  # a no-op once the poller woke it
         # The importer closed: nothing waits on the handle now. (Cancelled
