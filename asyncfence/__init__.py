@@ -24,6 +24,7 @@ from ._exceptions import FenceError as FenceError
 from ._exceptions import FenceLostError as FenceLostError
 from ._exceptions import TokenRefusedError as TokenRefusedError
 from ._fence import Fence as Fence
+from ._fence import from_event as from_event
 from ._fence import record as record
 from ._fence import warm_up as warm_up
 from ._interprocess import FenceToken as FenceToken
@@ -56,6 +57,7 @@ __all__ = (
     "backend_statistics",
     "configure",
     "current_statistics",
+    "from_event",
     "import_fence",
     "record",
     "warm_up",

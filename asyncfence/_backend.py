@@ -307,6 +307,21 @@ class Backend(Protocol[MarkerT]):
         """
         return None
 
+    def adopt_event(self, event: object) -> tuple[MarkerT, QueueInfo] | None:
+        """A marker for an event the user's code recorded with this runtime; else ``None``.
+
+        By the event's type only, without importing the runtime for another
+        library's object. The marker keeps the user's event alive until it
+        is released; its queue is one of its own (a user's event may stand
+        anywhere in its stream, so no completion order is assumed with the
+        fences recorded there). By default the backend adopts no event.
+
+        Raises:
+            TypeError: It is this runtime's event, of a kind that cannot be
+                adopted; the message says why.
+        """
+        return None
+
     def import_marker(self, handle: bytes) -> tuple[MarkerT, QueueInfo]:
         """A marker of this process for another process's :meth:`export_marker` handle.
 
@@ -404,6 +419,27 @@ def backend_statistics() -> tuple[BackendStatistics, ...]:
     Thread-safety: safe to call from any thread.
     """
     return tuple(backend.statistics() for backend in _device_backends())
+
+
+#: What :func:`asyncfence.from_event` accepts, for its ``TypeError``.
+ACCEPTED_EVENTS = "a pyopencl.Event (a marker's, a copy's or a kernel's; a UserEvent)"
+
+
+def adopt_event(event: object) -> tuple[Backend[Any], Any, QueueInfo]:
+    """The backend that adopts ``event``, its marker and its queue.
+
+    Raises:
+        TypeError: No backend adopts ``event``; the message names what is
+            accepted.
+    """
+    for backend in _backends:
+        adopted = backend.adopt_event(event)
+        if adopted is not None:
+            return (backend, *adopted)
+    raise TypeError(
+        f"from_event() expects {ACCEPTED_EVENTS}; got {type_name(event)} object "
+        "(a CUDA event is not accepted yet: record a fence on its stream instead)"
+    )
 
 
 def backend_for(stream: object) -> Backend[Any]:

@@ -16,7 +16,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, final
 
 from . import _fork
-from ._backend import backend_for, cached_backend
+from ._backend import adopt_event, backend_for, cached_backend
 from ._exceptions import DeviceError, FenceError
 from ._validation import type_name
 
@@ -26,7 +26,16 @@ if TYPE_CHECKING:
     from ._backend import Backend, QueueInfo
     from ._native import NativeMailbox
 
-__all__ = ["DONE", "FAILED", "PENDING", "ArmResult", "FenceCore", "import_core", "record_core"]
+__all__ = [
+    "DONE",
+    "FAILED",
+    "PENDING",
+    "ArmResult",
+    "FenceCore",
+    "adopt_core",
+    "import_core",
+    "record_core",
+]
 
 _logger = logging.getLogger("asyncfence")
 
@@ -359,6 +368,21 @@ def record_core(stream: object) -> FenceCore:
     if not backend.fork_safe and backend.name not in _fork.used:  # it does not survive fork()
         _fork.note_used(backend.name)
     return FenceCore(backend, marker, queue, seq)
+
+
+def adopt_core(event: object) -> FenceCore:
+    """A fence at an event the user's code recorded (see :func:`asyncfence.from_event`).
+
+    Raises:
+        TypeError: No backend adopts ``event``.
+        FenceError: This process was forked after the backend was used.
+    """
+    backend, marker, queue = adopt_event(event)
+    if _fork.used_by_parent:  # only ever in a forked child
+        _fork.check_unused_by_parent(backend.name, backend.title)
+    if not backend.fork_safe and backend.name not in _fork.used:
+        _fork.note_used(backend.name)
+    return FenceCore(backend, marker, queue, next(_sequence))
 
 
 def import_core(backend: Backend[Any], handle: bytes) -> FenceCore:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, final
 from ._backend import backend_for
 from ._blocking import block_until_settled
 from ._config import STRATEGIES, Strategy, check_strategy, check_timeout, current_config
-from ._core import DONE, FAILED, PENDING, FenceCore, record_core
+from ._core import DONE, FAILED, PENDING, FenceCore, adopt_core, record_core
 from ._loops import current_driver
 from ._native import shim
 from ._poller import poller_of
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from ._interprocess import FenceToken
 
-__all__ = ["Fence", "cores_of", "record"]
+__all__ = ["Fence", "cores_of", "from_event", "record"]
 
 _KNOWN_STRATEGIES = frozenset(STRATEGIES)
 # How record() makes a handle around its core (Fence.__new__ refuses callers):
@@ -280,6 +280,43 @@ def record(stream: object) -> Fence:
     any loop.
     """
     core = record_core(stream)  # first: a record that raises leaves no empty handle
+    fence = _new_handle(Fence)
+    fence._core = core
+    return fence
+
+
+def from_event(event: object) -> Fence:
+    """A fence at an event your own code recorded: a copy's, a kernel's, a marker's.
+
+    Everything a recorded fence offers: ``await`` on asyncio, uvloop and
+    trio, :meth:`~Fence.done`, :meth:`~Fence.wait_sync`,
+    :meth:`~Fence.enqueue_wait`, timeouts, cancellation, a
+    :class:`~asyncfence.DeviceError` when the work failed, and a place in a
+    :class:`~asyncfence.DropQueue`. The fence keeps ``event`` alive until it
+    settles: a non-blocking ``pyopencl`` transfer's event, dropped early,
+    blocks with the GIL held when collected; handed here, it is kept.
+
+    Where it differs from :func:`record`: it completes with ``event``
+    itself, which may stand anywhere in its stream, so it is watched on its
+    own (it gets a completion signal of its own when parked). An OpenCL
+    ``UserEvent`` is done when your code sets it.
+
+    Args:
+        event: A ``pyopencl.Event`` (from ``enqueue_copy``, a kernel's call,
+            ``enqueue_marker``), or a ``pyopencl.UserEvent``. CUDA events
+            are not accepted yet: record a fence on their stream.
+
+    Returns:
+        A :class:`Fence` that completes once the device has finished ``event``.
+
+    Raises:
+        TypeError: ``event`` is not an event any backend accepts; the
+            message names what is accepted.
+        FenceError: This process was forked after the runtime was used.
+
+    Thread-safety: any thread.
+    """
+    core = adopt_core(event)
     fence = _new_handle(Fence)
     fence._core = core
     return fence

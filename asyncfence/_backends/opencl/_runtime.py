@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import itertools
 import operator
 import os
 import sys
 import threading
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ... import _fork
 from ..._backend import Backend, BackendStatistics, QueueInfo
@@ -44,6 +45,8 @@ _FAILED_KEPT = 4096
 # did (its own name for it). CL_DEVICE_NOT_FOUND shares the value, but that is
 # an API error, never the status of a command.
 _CL_FAILED = -1
+# Numbers the queues of adopted events (from_event): one queue each.
+_adopted = itertools.count()
 
 
 def _execution_status_name(code: int) -> str:
@@ -125,6 +128,22 @@ class OpenCLBackend(Backend["cl.Event"]):
         if len(self._graveyard) >= self._sweep_at:
             self._sweep()
         return marker, known.info
+
+    def adopt_event(self, event: object) -> tuple[cl.Event, QueueInfo] | None:
+        kind = type(event)
+        if kind.__module__.partition(".")[0] != "pyopencl":
+            return None  # pyopencl is never imported for another library's object
+        import pyopencl as cl
+
+        if not isinstance(event, cl.Event):
+            return None
+        queue = cast("cl.CommandQueue | None", event.get_info(cl.event_info.COMMAND_QUEUE))
+        if queue is not None:  # None for a UserEvent
+            # Without a flush the command may never reach the device.
+            queue.flush()
+        context = cast("cl.Context", event.get_info(cl.event_info.CONTEXT))
+        # A queue of its own: the event may stand anywhere in its stream.
+        return event, QueueInfo(("event", next(_adopted)), domain=context.int_ptr)
 
     def _checked_queue(self, stream: object) -> cl.CommandQueue:
         import pyopencl as cl
