@@ -1,7 +1,7 @@
 """``asyncfence.from_event``: a fence at an event the user's own code recorded.
 
-On OpenCL (PoCL, the default device): a marker's, a non-blocking copy's and a
-``UserEvent``; each held behind a ``UserEvent`` gate, so the test decides when
+On OpenCL (PoCL, the default device): a marker's, a non-blocking copy's, a
+kernel's and a ``UserEvent``; each held behind a ``UserEvent`` gate, so the test decides when
 the work completes or fails. Every guarantee of a recorded fence, on
 asyncio, uvloop and trio.
 """
@@ -9,6 +9,7 @@ asyncio, uvloop and trio.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 from functools import partial
@@ -58,9 +59,30 @@ def _copy(queue: cl.CommandQueue, gate: cl.UserEvent) -> cl.Event:
     return cl.enqueue_copy(queue, host, device_buffer, is_blocking=False, wait_for=[gate])
 
 
+_FILL = "__kernel void fill(__global float *out) { out[get_global_id(0)] = 1.0f; }"
+
+
+def _kernel(queue: cl.CommandQueue, gate: cl.UserEvent) -> cl.Event:
+    """A kernel's own event: its call's."""
+    import pyopencl as cl
+
+    program = cl.Program(queue.context, _FILL)
+    try:
+        program.build()
+    except cl.Error as error:
+        # PyPI's PoCL 3.0 (LLVM 14) cannot build for CPUs newer than its LLVM;
+        # CI runs these again on Debian's PoCL, where a skip is a failure.
+        if os.environ.get("ASYNCFENCE_REQUIRE_KERNELS") == "1":
+            pytest.fail(f"ASYNCFENCE_REQUIRE_KERNELS=1, but the device cannot build: {error}")
+        pytest.skip(f"this OpenCL device cannot build kernels: {error}")
+    out = cl.Buffer(queue.context, cl.mem_flags.WRITE_ONLY, 4 * 256)
+    return program.fill(queue, (256,), None, out, wait_for=[gate])
+
+
 EVENTS: dict[str, Callable[[cl.CommandQueue, cl.UserEvent], Any]] = {
     "marker": _marker,
     "copy": _copy,
+    "kernel": _kernel,
     "user event": lambda queue, gate: gate,
 }
 
