@@ -32,7 +32,7 @@ from asyncfence import (
     FenceError,
     PinnedBuffer,
     StagingPool,
-    _fence,
+    _blocking,
 )
 from asyncfence._backend import backend_for
 from asyncfence._backends.cuda import CudaBackend
@@ -1252,8 +1252,15 @@ def test_wait_sync_follows_the_fence_not_its_recycled_event(
             paused, go = threading.Event(), threading.Event()
             returned: list[bool] = []
 
+            # Between two looks at the fence: asleep on its signal (the shim),
+            # or between queries (without it).
+            if shim() is not None:
+                where = pause_at(_blocking._sleep_on_signal, "watcher.poll(", paused, go)
+            else:
+                where = pause_at(_blocking._sleep_between_queries, "time.sleep(", paused, go)
+
             def wait_in_thread() -> None:
-                sys.settrace(pause_at(_fence.Fence.wait_sync, "time.sleep(", paused, go))
+                sys.settrace(where)
                 try:
                     fence.wait_sync(timeout=HANG_GUARD_S)
                     returned.append(True)
