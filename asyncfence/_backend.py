@@ -422,7 +422,10 @@ def backend_statistics() -> tuple[BackendStatistics, ...]:
 
 
 #: What :func:`asyncfence.from_event` accepts, for its ``TypeError``.
-ACCEPTED_EVENTS = "a pyopencl.Event (a marker's, a copy's or a kernel's; a UserEvent)"
+ACCEPTED_EVENTS = (
+    "a pyopencl.Event (a marker's, a copy's or a kernel's; a UserEvent) or a "
+    "cuda.bindings.driver.CUevent"
+)
 
 
 def adopt_event(event: object) -> tuple[Backend[Any], Any, QueueInfo]:
@@ -438,7 +441,8 @@ def adopt_event(event: object) -> tuple[Backend[Any], Any, QueueInfo]:
             return (backend, *adopted)
     raise TypeError(
         f"from_event() expects {ACCEPTED_EVENTS}; got {type_name(event)} object "
-        "(a CUDA event is not accepted yet: record a fence on its stream instead)"
+        "(another library's CUDA event is not accepted yet: record a fence on its stream, "
+        "or pass its CUevent)"
     )
 
 

@@ -299,12 +299,17 @@ def from_event(event: object) -> Fence:
     Where it differs from :func:`record`: it completes with ``event``
     itself, which may stand anywhere in its stream, so it is watched on its
     own (it gets a completion signal of its own when parked). An OpenCL
-    ``UserEvent`` is done when your code sets it.
+    ``UserEvent`` is done when your code sets it. A CUDA event is taken as
+    ``cuStreamWaitEvent`` takes it: the fence completes with the record the
+    event had at this call (record it again at once if you like), and an
+    event never recorded is done.
 
     Args:
         event: A ``pyopencl.Event`` (from ``enqueue_copy``, a kernel's call,
-            ``enqueue_marker``), or a ``pyopencl.UserEvent``. CUDA events
-            are not accepted yet: record a fence on their stream.
+            ``enqueue_marker``), a ``pyopencl.UserEvent``, or a
+            ``cuda.bindings.driver.CUevent``. Other libraries' CUDA events
+            (PyTorch's, CuPy's, cuda.core's, numba-cuda's) are not accepted
+            yet: pass their ``CUevent``, or record a fence on their stream.
 
     Returns:
         A :class:`Fence` that completes once the device has finished ``event``.
@@ -312,6 +317,7 @@ def from_event(event: object) -> Fence:
     Raises:
         TypeError: ``event`` is not an event any backend accepts; the
             message names what is accepted.
+        DeviceError: The CUDA driver refused to wait for the event.
         FenceError: This process was forked after the runtime was used.
 
     Thread-safety: any thread.

@@ -1636,3 +1636,78 @@ def test_the_emulator_checks_interprocess_events_and_handles(cuda_device: CudaDe
     garbage = driver.CUipcEventHandle()
     ctypes.memmove(garbage.getPtr(), b"\x01" * 64, 64)
     assert driver.cuIpcOpenEventHandle(garbage)[0] == invalid
+
+
+# -- from_event: a CUevent the user's code recorded -------------------------------------
+
+
+def _raw_event() -> Any:
+    from cuda.bindings import driver as drv
+
+    err, event = drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    assert err == drv.CUresult.CUDA_SUCCESS
+    return event
+
+
+def _record_raw(event: Any, stream: Any) -> None:
+    from cuda.bindings import driver as drv
+
+    (err,) = drv.cuEventRecord(event, stream)
+    assert err == drv.CUresult.CUDA_SUCCESS
+
+
+async def test_an_adopted_cuevent_is_awaited_once_its_work_is_done(cuda_stream: Any) -> None:
+    event = _raw_event()
+    with hold(cuda_stream) as gate:
+        _record_raw(event, cuda_stream)
+        fence = asyncfence.from_event(event)
+        await let_loop_run()
+        assert not fence.done()
+        with pytest.raises(TimeoutError):
+            fence.wait_sync(timeout=0.01)
+        gate.release()
+        with anyio.fail_after(HANG_GUARD_S):
+            await fence
+    assert fence.done()
+
+
+async def test_an_adopted_cuevent_follows_its_record_at_the_call(
+    cuda_device: CudaDevice, cuda_stream: Any
+) -> None:
+    # As cuStreamWaitEvent: the record at the time of the call, whatever the
+    # user records on the event afterwards.
+    other = cuda_device.new_stream()
+    event = _raw_event()
+    with hold(other) as later:
+        with hold(cuda_stream) as first:
+            _record_raw(event, cuda_stream)
+            fence = asyncfence.from_event(event)
+            _record_raw(event, other)  # recorded again, behind a gate still held
+            first.release()
+            with anyio.fail_after(HANG_GUARD_S):
+                await fence
+        assert fence.done()
+        later.release()
+
+
+async def test_a_cuevent_never_recorded_is_done(cuda_stream: Any) -> None:
+    fence = asyncfence.from_event(_raw_event())
+    with anyio.fail_after(HANG_GUARD_S):
+        await fence
+    assert fence.done()
+
+
+async def test_another_stream_waits_on_the_device_for_an_adopted_cuevent(
+    cuda_device: CudaDevice, cuda_stream: Any
+) -> None:
+    event = _raw_event()
+    other = cuda_device.new_stream()
+    with hold(cuda_stream) as gate:
+        _record_raw(event, cuda_stream)
+        asyncfence.from_event(event).enqueue_wait(other)
+        after = asyncfence.record(other)
+        await let_loop_run()
+        assert not after.done()
+        gate.release()
+        with anyio.fail_after(HANG_GUARD_S):
+            await after

@@ -378,6 +378,51 @@ class CudaBackend(Backend[_CudaMarker]):
             return False
         raise device_error(drv, err, "the work before the fence failed")
 
+    def adopt_event(self, event: object) -> tuple[_CudaMarker, QueueInfo] | None:
+        """A pooled event that completes with the latest record of ``event`` (a ``CUevent``).
+
+        As ``cuStreamWaitEvent`` does: a new stream of the calling thread's
+        context (or device 0's primary) waits for ``event`` as recorded now,
+        and a pooled event is recorded behind that wait; the user may record
+        ``event`` again at once. An event never recorded is done.
+
+        Raises:
+            DeviceError: The driver refused the wait (an invalid event, or
+                one recorded in a capture).
+        """
+        if type(event).__module__.partition(".")[0] != "cuda":
+            return None  # cuda.bindings is never imported for another library's object
+        drv = driver("CUDA events")
+        if not isinstance(event, drv.CUevent):
+            return None
+        context = current_context(drv) or self._primary_context(drv, 0)
+        identity = self._context_id(drv, context)
+        pool = self._pool(identity)
+        pushed = push_context(drv, context, "the current")
+        try:
+            flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+            stream = check(drv.cuStreamCreate(flags), "cuStreamCreate")
+            try:
+                try:
+                    ours = pool.pop()
+                except IndexError:
+                    ours = self._create_event(drv, context)
+                (err,) = drv.cuStreamWaitEvent(stream, event, 0)
+                if err == drv.CUresult.CUDA_SUCCESS:
+                    (err,) = drv.cuEventRecord(ours, stream)
+                if err != drv.CUresult.CUDA_SUCCESS:
+                    pool.append(ours)
+                    raise device_error(drv, err, "cannot wait for the event")
+            finally:
+                # Allowed with work queued: the driver frees it once that is done.
+                drv.cuStreamDestroy(stream)
+        finally:
+            if pushed:
+                pop_context(drv)
+        order = next(self._orders)
+        # A queue of its own: no other fence is ordered with it.
+        return _CudaMarker(ours, context, pool, order), QueueInfo(("adopted", identity, order))
+
     def check_stream(self, origin: QueueInfo, stream: object) -> None:
         # The stream's context, as record() resolves it: any context will do
         # (cuStreamWaitEvent works across contexts and devices). A capturing
