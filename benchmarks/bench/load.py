@@ -429,6 +429,30 @@ async def parked_at_scale(ctx: Context) -> None:
                 target.device.close_stream(stream)
 
 
+class _SleepLag:
+    """How much later than asked a task that sleeps a millisecond at a time resumes.
+
+    A stall of the loop shows whether it falls in the sleep or in a turn.
+    """
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._probing = True
+        self._stopped = anyio.Event()
+
+    async def run(self) -> None:
+        while self._probing:
+            sent = time.perf_counter()
+            await anyio.sleep(_PROBE_INTERVAL_S)
+            self.lags.append(max(time.perf_counter() - sent - _PROBE_INTERVAL_S, 0.0))
+        self._stopped.set()
+
+    async def stop(self) -> None:
+        """Stop probing, once the sleep under way has ended."""
+        self._probing = False
+        await self._stopped.wait()
+
+
 async def _runtime_alone(target: Any, streams: list[Any], config: Any) -> dict[str, float]:
     """The loop's lag with the same gates and releases, and no fence: the runtime's own share."""
     gates = [StreamGate(stream) for stream in streams]
@@ -437,18 +461,10 @@ async def _runtime_alone(target: Any, streams: list[Any], config: Any) -> dict[s
     chosen = rng.sample(
         range(len(streams)), min(len(streams), config.scaling_released * config.scaling_rounds)
     )
-    lags: list[float] = []
+    probe = _SleepLag()
     try:
         async with anyio.create_task_group() as tg:
-            probing = [True]
-
-            async def probe() -> None:
-                while probing[0]:
-                    sent = time.perf_counter()
-                    await anyio.sleep(_PROBE_INTERVAL_S)
-                    lags.append(max(time.perf_counter() - sent - _PROBE_INTERVAL_S, 0.0))
-
-            tg.start_soon(probe)
+            tg.start_soon(probe.run)
             with Releaser() as releaser:
                 for start in range(0, len(chosen), config.scaling_released):
                     batch = chosen[start : start + config.scaling_released]
@@ -457,15 +473,15 @@ async def _runtime_alone(target: Any, streams: list[Any], config: Any) -> dict[s
                     )
                     while len(stamps) < len(batch):  # noqa: ASYNC110 (the loop stays free)
                         await anyio.sleep(0.001)
-            probing[0] = False
+            await probe.stop()
     finally:
         for gate in gates:
             gate.release()
     for marker in markers:
         target.raw_done(marker)
     return {
-        "alone_lag_p99_s": percentile(lags, 0.99),
-        "alone_lag_max_s": max(lags, default=math.nan),
+        "alone_lag_p99_s": percentile(probe.lags, 0.99),
+        "alone_lag_max_s": max(probe.lags, default=math.nan),
     }
 
 
@@ -477,28 +493,18 @@ async def _parked_at_scale(park: Contender, streams: list[Any], config: Any) -> 
     resumed = [math.nan] * size
     chosen = rng.sample(range(size), min(size, config.scaling_released * config.scaling_rounds))
     wakes: list[float] = []
-    lags: list[float] = []
-    probing, probe_stopped = True, anyio.Event()
+    probe = _SleepLag()
 
     async def wait(index: int) -> None:
         await park.wait(tokens[index])
         resumed[index] = time.perf_counter()
-
-    async def probe() -> None:
-        # How late a task that sleeps a millisecond at a time resumes: a
-        # stall of the loop shows whether it falls in the sleep or in a turn.
-        while probing:
-            sent = time.perf_counter()
-            await anyio.sleep(_PROBE_INTERVAL_S)
-            lags.append(max(time.perf_counter() - sent - _PROBE_INTERVAL_S, 0.0))
-        probe_stopped.set()
 
     try:
         with anyio.fail_after(_RELEASE_ALL_TIMEOUT_S + size * 1e-3):
             async with anyio.create_task_group() as tg:
                 await _start_parked(tg, wait, size)
                 before = asyncfence.current_statistics()
-                tg.start_soon(probe)
+                tg.start_soon(probe.run)
                 with Releaser() as releaser:
                     for start in range(0, len(chosen), config.scaling_released):
                         batch = chosen[start : start + config.scaling_released]
@@ -510,8 +516,7 @@ async def _parked_at_scale(park: Contender, streams: list[Any], config: Any) -> 
                         wakes += [
                             resumed[i] - stamp for i, stamp in zip(batch, stamps, strict=True)
                         ]
-                probing = False
-                await probe_stopped.wait()  # before the rest is released, all at once
+                await probe.stop()  # before the rest is released, all at once
                 after = asyncfence.current_statistics()
                 for gate in gates:
                     gate.release()
@@ -525,8 +530,8 @@ async def _parked_at_scale(park: Contender, streams: list[Any], config: Any) -> 
         "wakes": float(len(wakes)),
         "wake_p50_s": percentile(wakes, 0.5),
         "wake_p99_s": percentile(wakes, 0.99),
-        "lag_p99_s": percentile(lags, 0.99),
-        "lag_max_s": max(lags, default=math.nan),
+        "lag_p99_s": percentile(probe.lags, 0.99),
+        "lag_max_s": max(probe.lags, default=math.nan),
         "rechecks": float(after.rechecks - before.rechecks),
         "queries_per_wake": (after.queries - before.queries) / max(len(wakes), 1),
     }
