@@ -37,7 +37,7 @@ so that :func:`backend_for` can remember the answer per type.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol, TypeVar
 
 from . import _fork
 from ._exceptions import FenceError
@@ -179,9 +179,18 @@ class Backend(Protocol[MarkerT]):
     #: recorded again once released): a driver call that uses one pins it
     #: first.
     refcounted_markers: bool = False
+    #: Stream types, as ``(module, qualified name)``, that this backend claims
+    #: by the object rather than by its type: PyTorch's device-generic
+    #: ``torch.Stream``, whose device is in the object. No backend is cached
+    #: for them; :meth:`claims` is asked for each.
+    claimed_by_object: ClassVar[frozenset[tuple[str, str]]] = frozenset()
 
     def claims(self, stream: object) -> bool:
-        """Whether ``stream`` is one of this backend's stream objects (by its type only)."""
+        """Whether ``stream`` is one of this backend's stream objects.
+
+        By its type only, except for the types named in
+        :attr:`claimed_by_object`.
+        """
         ...
 
     def stream_key(self, stream: object) -> Hashable:
@@ -349,6 +358,8 @@ class Backend(Protocol[MarkerT]):
 
 _backends: list[Backend[Any]] = []
 _by_type: dict[type, Backend[Any]] = {}
+# The types some backend claims by the object (Backend.claimed_by_object).
+_by_object: set[tuple[str, str]] = set()
 #: The backend that claimed a stream of this type before, or ``None``: the
 #: record path's lookup, a call less than :func:`backend_for`.
 cached_backend: Final = _by_type.get
@@ -373,6 +384,7 @@ def register_backend(backend: Backend[Any], *, devices: bool = True) -> None:
     if any(known.name == backend.name for known in _backends):
         raise ValueError(f"a backend named {backend.name!r} is registered already")
     _backends.append(backend)
+    _by_object.update(backend.claimed_by_object)
     if not devices:
         _deviceless.add(backend.name)
     _by_type.clear()
@@ -382,6 +394,9 @@ def register_backend(backend: Backend[Any], *, devices: bool = True) -> None:
 def unregister_backend(name: str) -> None:
     """Remove the backend ``name`` (tests register and remove their own)."""
     _backends[:] = [backend for backend in _backends if backend.name != name]
+    _by_object.clear()
+    for backend in _backends:
+        _by_object.update(backend.claimed_by_object)
     _deviceless.discard(name)
     _by_type.clear()
     _fork.unwatch_runtime(name)
@@ -423,8 +438,9 @@ def backend_statistics() -> tuple[BackendStatistics, ...]:
 
 #: What :func:`asyncfence.from_event` accepts, for its ``TypeError``.
 ACCEPTED_EVENTS = (
-    "a pyopencl.Event (a marker's, a copy's or a kernel's; a UserEvent) or a "
-    "cuda.bindings.driver.CUevent"
+    "a pyopencl.Event (a marker's, a copy's or a kernel's; a UserEvent) or a CUDA event "
+    "(a cuda.bindings.driver.CUevent, a torch.cuda.Event, a torch.Event on CUDA, a "
+    "cupy.cuda.Event, a cuda.core Event, a numba-cuda event)"
 )
 
 
@@ -439,11 +455,7 @@ def adopt_event(event: object) -> tuple[Backend[Any], Any, QueueInfo]:
         adopted = backend.adopt_event(event)
         if adopted is not None:
             return (backend, *adopted)
-    raise TypeError(
-        f"from_event() expects {ACCEPTED_EVENTS}; got {type_name(event)} object "
-        "(another library's CUDA event is not accepted yet: record a fence on its stream, "
-        "or pass its CUevent)"
-    )
+    raise TypeError(f"from_event() expects {ACCEPTED_EVENTS}; got {type_name(event)} object")
 
 
 def backend_for(stream: object) -> Backend[Any]:
@@ -459,7 +471,8 @@ def backend_for(stream: object) -> Backend[Any]:
         return backend
     for backend in _backends:
         if backend.claims(stream):
-            _by_type[kind] = backend  # claims depends on the type only (see above)
+            if (kind.__module__, kind.__qualname__) not in _by_object:
+                _by_type[kind] = backend  # claims depends on the type only (see above)
             return backend
     accepted = "; or ".join(b.accepts for b in _backends)
     raise TypeError(f"expected a device stream ({accepted}); got {type_name(stream)} object")

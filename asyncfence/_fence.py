@@ -260,8 +260,9 @@ def record(stream: object) -> Fence:
     Args:
         stream: A stream of a registered backend: a ``pyopencl.CommandQueue``,
             a CUDA stream (an object with ``__cuda_stream__``, a CuPy or
-            numba-cuda stream, or a raw handle), or one of torch's CPU
-            streams (``torch.cpu.Stream``, as
+            numba-cuda stream, a ``torch.Stream`` on CUDA as
+            ``torch.accelerator.current_stream()`` gives, or a raw handle),
+            or one of torch's CPU streams (``torch.cpu.Stream``, as
             ``torch.get_device_module("cpu").current_stream()`` gives).
 
     Returns:
@@ -302,23 +303,27 @@ def from_event(event: object) -> Fence:
     ``UserEvent`` is done when your code sets it. A CUDA event is taken as
     ``cuStreamWaitEvent`` takes it: the fence completes with the record the
     event had at this call (record it again at once if you like), and an
-    event never recorded is done.
+    event never recorded (a ``torch.cuda.Event`` before its first record)
+    is done.
 
     Args:
         event: A ``pyopencl.Event`` (from ``enqueue_copy``, a kernel's call,
-            ``enqueue_marker``), a ``pyopencl.UserEvent``, or a
-            ``cuda.bindings.driver.CUevent``. Other libraries' CUDA events
-            (PyTorch's, CuPy's, cuda.core's, numba-cuda's) are not accepted
-            yet: pass their ``CUevent``, or record a fence on their stream.
+            ``enqueue_marker``) or ``pyopencl.UserEvent``; or a CUDA event:
+            a ``cuda.bindings.driver.CUevent``, a ``torch.cuda.Event``, a
+            ``torch.Event`` on CUDA, a ``cupy.cuda.Event``, a cuda.core
+            ``Event``, or a numba-cuda event.
 
     Returns:
         A :class:`Fence` that completes once the device has finished ``event``.
 
     Raises:
-        TypeError: ``event`` is not an event any backend accepts; the
-            message names what is accepted.
+        TypeError: ``event`` is not an event any backend accepts (the
+            message names what is accepted), or a closed one, or a
+            ``torch.Event`` off CUDA.
+        FenceError: The CUDA event was last recorded inside a graph capture
+            (it never completes as such), or this process was forked after
+            the runtime was used.
         DeviceError: The CUDA driver refused to wait for the event.
-        FenceError: This process was forked after the runtime was used.
 
     Thread-safety: any thread.
     """

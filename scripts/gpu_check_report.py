@@ -348,16 +348,13 @@ def _steps(work: Path) -> dict[str, Any]:
     return steps
 
 
-def _tests_from_log(path: Path) -> dict[str, Any]:
+def _test_outcomes(lines: list[str]) -> tuple[dict[str, str], dict[str, Any]]:
+    """Each test's outcome in the log's lines, and what else the log says."""
     outcomes: dict[str, str] = {}
     messages: dict[str, str] = {}
     started: list[str] = []
     collect_errors: dict[str, str] = {}
     exitstatus = None
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as error:
-        return {"error": f"no test log: {error}"}
     for line in lines:
         try:
             entry = json.loads(line)
@@ -380,6 +377,23 @@ def _tests_from_log(path: Path) -> dict[str, Any]:
                 outcomes[nodeid] = "xfailed" if entry.get("xfail") else "skipped"
             elif outcome == "passed" and when == "call" and previous is None:
                 outcomes[nodeid] = "xpassed" if entry.get("xfail") else "passed"
+    rest = {
+        "messages": messages,
+        "started": started,
+        "collect_errors": collect_errors,
+        "exitstatus": exitstatus,
+    }
+    return outcomes, rest
+
+
+def _tests_from_log(path: Path) -> dict[str, Any]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        return {"error": f"no test log: {error}"}
+    outcomes, rest = _test_outcomes(lines)
+    messages, started = rest["messages"], rest["started"]
+    collect_errors, exitstatus = rest["collect_errors"], rest["exitstatus"]
     counts: dict[str, int] = {}
     for outcome in outcomes.values():
         counts[outcome] = counts.get(outcome, 0) + 1
@@ -426,6 +440,43 @@ def _skip_reasons(log: Path) -> dict[str, int]:
             reason = entry["message"].removeprefix("Skipped: ")
             reasons[reason] = reasons.get(reason, 0) + 1
     return dict(sorted(reasons.items(), key=lambda item: -item[1]))
+
+
+#: The tests of ``from_event`` on each library's CUDA events, and of PyTorch's
+#: generic streams, by what they cover (a test name's prefix, in test_cuda.py).
+STACK_TESTS = {
+    "from_event(CUevent)": "test_an_adopted_cuevent",
+    "from_event(cuda.core Event)": "test_a_cuda_core_event_is_adopted",
+    "from_event(torch.cuda.Event, torch.Event)": "test_a_torch_event_is_adopted",
+    "from_event(cupy.cuda.Event)": "test_a_cupy_event_is_adopted",
+    "from_event(numba-cuda event)": "test_a_numba_event_is_adopted",
+    "from_event refuses a captured event": "test_an_event_recorded_in_a_capture",
+    "record(torch.Stream on CUDA)": "test_a_generic_torch_stream_on_cuda",
+    "record(torch.accelerator.current_stream())": "test_torch_accelerator_current_stream",
+}
+
+
+def _stacks(out: Path) -> dict[str, Any]:
+    """What ran of the other libraries' events and streams, and the blocking wait's rows."""
+    try:
+        lines = (out / "tests.jsonl").read_text().splitlines()
+    except OSError as error:
+        return {"error": f"no test log: {error}"}
+    outcomes, _ = _test_outcomes(lines)
+    tests: dict[str, dict[str, int]] = {}
+    for covers, prefix in STACK_TESTS.items():
+        counts: dict[str, int] = {}
+        for nodeid, outcome in outcomes.items():
+            if nodeid.rpartition("::")[2].startswith(prefix):
+                counts[outcome] = counts.get(outcome, 0) + 1
+        tests[covers] = dict(sorted(counts.items()))
+    report = _read_json(out / "bench.json")
+    summary = report.get("summary", {}) if isinstance(report, dict) else {}
+    return {
+        "tests": tests,
+        "wait_sync": summary.get("wait_sync"),
+        "wait_sync_cpu": summary.get("wait_sync_cpu"),
+    }
 
 
 #: The bench scenarios that run work on more streams at once than the driver's
@@ -521,6 +572,7 @@ def summary(out: Path, work: Path) -> int:
             "quick": _bench(out, "bench-quick", steps.get("bench_quick")),
         },
         "hardware_queues": _hardware_queues(meta),
+        "stacks": _stacks(out),
         "steps": steps,
         "versions_detail": versions_data,
     }
@@ -552,6 +604,7 @@ def summary(out: Path, work: Path) -> int:
             "junit",
             "example",
             "bench",
+            "stacks",
         )
     }
     print(json.dumps(digest, indent=2))

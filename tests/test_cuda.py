@@ -1711,3 +1711,236 @@ async def test_another_stream_waits_on_the_device_for_an_adopted_cuevent(
         gate.release()
         with anyio.fail_after(HANG_GUARD_S):
             await after
+
+
+async def test_an_adopted_cuevent_fails_with_the_work_before_it(
+    cuda_device: CudaDevice, cuda_stream: Any, emulator: Emulator
+) -> None:
+    event = _raw_event()
+    try:
+        with hold(cuda_stream) as gate:
+            emulator.launch_fault(int(cuda_stream), 719)
+            _record_raw(event, cuda_stream)
+            fence = asyncfence.from_event(event)
+            gate.release()
+        with pytest.raises(DeviceError) as caught:
+            await fence
+        assert caught.value.name == "CUDA_ERROR_LAUNCH_FAILED"
+    finally:
+        emulator.clear_fault(int(cuda_device.context))
+
+
+async def test_an_event_recorded_in_a_capture_is_refused_and_the_capture_kept(
+    cuda_device: CudaDevice, cuda_stream: Any
+) -> None:
+    # A wait for it from a stream outside the capture would join that stream
+    # to the capture (a fork), not wait: refused before any wait is queued.
+    event = _raw_event()
+    begin_capture(cuda_stream)
+    try:
+        _record_raw(event, cuda_stream)
+        with pytest.raises(FenceError, match="recorded inside a CUDA graph capture"):
+            asyncfence.from_event(event)
+    finally:
+        err, graph = end_capture(cuda_stream)
+    assert err == 0  # the capture is whole: no stream of ours joined it
+    destroy_graph(graph)
+    # Recorded again outside the capture, it is an event like any other.
+    with hold(cuda_stream) as gate:
+        _record_raw(event, cuda_stream)
+        fence = asyncfence.from_event(event)
+        await let_loop_run()
+        assert not fence.done()
+        gate.release()
+        with anyio.fail_after(HANG_GUARD_S):
+            await fence
+
+
+def _core_stream(cuda_device: CudaDevice) -> Any:
+    core = pytest.importorskip("cuda.core")
+    device = core.Device(cuda_device.ordinal)
+    device.set_current()
+    return device.create_stream()
+
+
+async def test_a_cuda_core_event_is_adopted(cuda_device: CudaDevice) -> None:
+    import weakref
+
+    stream = _core_stream(cuda_device)
+    with hold(stream) as gate:
+        event = stream.record()
+        fence = asyncfence.from_event(event)
+        kept = weakref.ref(event)
+        del event
+        gc.collect()
+        assert kept() is not None  # the fence keeps it until it settles
+        await let_loop_run()
+        assert not fence.done()
+        gate.release()
+        with anyio.fail_after(HANG_GUARD_S):
+            await fence
+    assert fence.done()
+    stream.close()
+
+
+def test_a_closed_cuda_core_event_is_refused(cuda_device: CudaDevice) -> None:
+    stream = _core_stream(cuda_device)
+    event = stream.record()
+    event.close()
+    with pytest.raises(TypeError, match="is closed"):
+        asyncfence.from_event(event)
+    stream.close()
+
+
+def _torch_with_cuda() -> Any:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA device here (its CUDA events need one)")
+    return torch
+
+
+@pytest.mark.parametrize("kind", ["torch.cuda.Event", "torch.Event"])
+async def test_a_torch_event_is_adopted(cuda_device: CudaDevice, kind: str) -> None:
+    torch = _torch_with_cuda()
+    stream = torch.cuda.Stream()
+    event = torch.cuda.Event() if kind == "torch.cuda.Event" else torch.Event(device="cuda")
+    with hold(stream) as gate:
+        event.record(stream)
+        fence = asyncfence.from_event(event)
+        await let_loop_run()
+        assert not fence.done()
+        gate.release()
+        with anyio.fail_after(HANG_GUARD_S):
+            await fence
+
+
+async def test_a_torch_event_never_recorded_is_done(cuda_device: CudaDevice) -> None:
+    torch = _torch_with_cuda()
+    fence = asyncfence.from_event(torch.cuda.Event())  # PyTorch creates it at its first record
+    with anyio.fail_after(HANG_GUARD_S):
+        await fence
+
+
+async def test_a_cupy_event_is_adopted(cuda_device: CudaDevice) -> None:
+    cupy = pytest.importorskip("cupy")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    event = cupy.cuda.Event(disable_timing=True)
+    with hold(stream) as gate:
+        event.record(stream)
+        fence = asyncfence.from_event(event)
+        await let_loop_run()
+        assert not fence.done()
+        gate.release()
+        with anyio.fail_after(HANG_GUARD_S):
+            await fence
+
+
+async def test_a_numba_event_is_adopted(cuda_device: CudaDevice) -> None:
+    numba_cuda = pytest.importorskip("numba.cuda")
+    if not numba_cuda.is_available():
+        pytest.skip("numba-cuda finds no CUDA device here")
+    stream = numba_cuda.stream()
+    event = numba_cuda.event(timing=False)
+    with hold(stream) as gate:
+        event.record(stream=stream)
+        fence = asyncfence.from_event(event)
+        await let_loop_run()
+        assert not fence.done()
+        gate.release()
+        with anyio.fail_after(HANG_GUARD_S):
+            await fence
+
+
+def test_a_torch_event_off_cuda_is_refused() -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"torch\.Event on cpu, not a CUDA event"):
+        asyncfence.from_event(torch.Event(device="cpu"))
+
+
+# -- torch.Stream, PyTorch's device-generic stream, on CUDA ---------------------------
+
+
+def _generic_torch_stream(stream: Any, ordinal: int) -> Any:
+    """``stream`` as the ``torch.Stream`` that ``torch.cuda.ExternalStream`` gives."""
+    torch = pytest.importorskip("torch")
+    return torch.Stream(stream_id=int(stream), device_index=ordinal, device_type=1)  # CUDA
+
+
+async def test_a_generic_torch_stream_on_cuda_is_recorded_on(
+    cuda_device: CudaDevice, cuda_stream: Any
+) -> None:
+    generic = _generic_torch_stream(cuda_stream, cuda_device.ordinal)
+    assert generic.device.type == "cuda"
+    with hold(cuda_stream) as gate:
+        fence = asyncfence.record(generic)
+        await let_loop_run()
+        assert not fence.done()
+        gate.release()
+        with anyio.fail_after(HANG_GUARD_S):
+            await fence
+
+
+async def test_a_fence_waits_on_a_generic_torch_stream(
+    cuda_device: CudaDevice, cuda_stream: Any
+) -> None:
+    other = cuda_device.new_stream()
+    with hold(cuda_stream) as gate:
+        fence = asyncfence.record(cuda_stream)
+        fence.enqueue_wait(_generic_torch_stream(other, cuda_device.ordinal))
+        after = asyncfence.record(other)
+        await let_loop_run()
+        assert not after.done()
+        gate.release()
+        with anyio.fail_after(HANG_GUARD_S):
+            await after
+
+
+async def test_generic_torch_streams_go_to_the_backend_of_their_device(
+    cuda_device: CudaDevice, cuda_stream: Any
+) -> None:
+    # One type, two backends: the choice is never cached by the type.
+    torch = pytest.importorskip("torch")
+    on_cpu = torch.Stream(device="cpu")
+    on_cuda = _generic_torch_stream(cuda_stream, cuda_device.ordinal)
+    for stream, backend in [(on_cpu, "torch-cpu"), (on_cuda, "cuda"), (on_cpu, "torch-cpu")]:
+        assert backend_for(stream).name == backend
+        await asyncfence.record(stream)
+
+
+def test_the_default_stream_of_a_generic_torch_stream(cuda_device: CudaDevice) -> None:
+    torch = pytest.importorskip("torch")
+    default = torch.Stream(stream_id=0, device_index=cuda_device.ordinal, device_type=1)
+    fence = asyncfence.record(default)
+    fence.wait_sync(timeout=HANG_GUARD_S)
+    assert fence.done()
+
+
+def test_a_pooled_generic_torch_stream_needs_pytorchs_cuda() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.backends.cuda.is_built():
+        pytest.skip("this PyTorch resolves its own pooled streams")
+    pooled = torch.Stream(stream_id=0x13, device_index=0, device_type=1)  # odd: PyTorch's pool
+    with pytest.raises(TypeError, match="built without CUDA"):
+        asyncfence.record(pooled)
+
+
+@pytest.mark.parametrize("which", ["default", "pooled"])
+async def test_torch_accelerator_current_stream_is_recorded_on(
+    cuda_device: CudaDevice, which: str
+) -> None:
+    # On CUDA PyTorch, torch.accelerator.current_stream() is a torch.Stream:
+    # id 0 on the default stream, an id of PyTorch's pools under a stream of
+    # its own. (CPU PyTorch has no accelerator: it raises there.)
+    torch = _torch_with_cuda()
+    pooled = torch.cuda.Stream()
+    chosen = pooled if which == "pooled" else torch.cuda.default_stream()
+    with torch.cuda.stream(chosen):
+        current = torch.accelerator.current_stream()
+    assert type(current) is torch.Stream
+    with hold(chosen) as gate:
+        fence = asyncfence.record(current)
+        await let_loop_run()
+        assert not fence.done()
+        gate.release()
+        with anyio.fail_after(HANG_GUARD_S):
+            await fence

@@ -193,6 +193,35 @@ def test_the_summary_names_the_commit_and_the_hardware_queues(
     assert "beyond 32" in queues["note"]
 
 
+def test_the_summary_says_which_libraries_events_were_tried(
+    report: ModuleType, tmp_path: Path
+) -> None:
+    def phase(name: str, outcome: str, when: str = "call") -> str:
+        nodeid = f"tests/test_cuda.py::{name}"
+        return json.dumps({"event": "phase", "nodeid": nodeid, "when": when, "outcome": outcome})
+
+    (tmp_path / "tests.jsonl").write_text(
+        "\n".join(
+            [
+                phase("test_a_cuda_core_event_is_adopted[asyncio]", "passed"),
+                phase("test_a_cuda_core_event_is_adopted[trio]", "passed"),
+                phase("test_a_cupy_event_is_adopted[asyncio]", "skipped", "setup"),
+                phase("test_a_numba_event_is_adopted[asyncio]", "failed"),
+            ]
+        )
+    )
+    rows = {"wait_sync": {"wait_sync": {"p50_us": 130.0}}, "wait_sync_cpu": {"wait_sync": {}}}
+    (tmp_path / "bench.json").write_text(json.dumps({"meta": {}, "summary": rows}))
+    (tmp_path / "steps.tsv").write_text("")
+    report.summary(tmp_path, tmp_path)
+    stacks = json.loads((tmp_path / "summary.json").read_text())["stacks"]
+    assert stacks["tests"]["from_event(cuda.core Event)"] == {"passed": 2}
+    assert stacks["tests"]["from_event(cupy.cuda.Event)"] == {"skipped": 1}
+    assert stacks["tests"]["from_event(numba-cuda event)"] == {"failed": 1}
+    assert stacks["tests"]["from_event(CUevent)"] == {}
+    assert stacks["wait_sync"] == {"wait_sync": {"p50_us": 130.0}}
+
+
 @pytest.mark.parametrize(
     ("installed", "problem"),
     [

@@ -1066,6 +1066,21 @@ static CUresult usable_stream_locked(void *handle, stream_t **out) {
  * context on the calling thread, even for a stream that names its own. */
 static CUresult queuing_context(void) { return current_ctx() ? SUCCESS : INVALID_CONTEXT; }
 
+/* The emulator's streams have one priority, 0: the range is [0, 0], as on a
+ * device without priorities; a requested priority is clamped into it. */
+CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (!current_ctx()) return INVALID_CONTEXT;
+    if (least) *least = 0;
+    if (greatest) *greatest = 0;
+    return SUCCESS;
+}
+
+CUresult cuStreamCreateWithPriority(CUstream *phandle, unsigned int flags, int priority) {
+    (void)priority;
+    return cuStreamCreate(phandle, flags);
+}
+
 /* ---- events ----------------------------------------------------------------- */
 
 CUresult cuEventCreate(CUevent *phandle, unsigned int flags) {
@@ -1783,6 +1798,8 @@ static CUresult cuGetProcAddress_v1(const char *symbol, void **pfn, int cuda_ver
     X(cuCtxSynchronize, 2000, cuCtxSynchronize) \
     X(cuCtxSynchronize, 13000, cuCtxSynchronize_v2) \
     X(cuStreamCreate, 2000, cuStreamCreate) \
+    X(cuStreamCreateWithPriority, 5050, cuStreamCreateWithPriority) \
+    X(cuCtxGetStreamPriorityRange, 5050, cuCtxGetStreamPriorityRange) \
     X(cuStreamDestroy, 4000, cuStreamDestroy) \
     X(cuStreamGetCtx, 9020, cuStreamGetCtx) \
     X(cuStreamGetCtx, 12050, cuStreamGetCtx_v2) \

@@ -24,13 +24,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACCEPTS",
+    "EVENTS_ACCEPTED",
     "LEGACY_DEFAULT_STREAM",
     "NULL_STREAM",
     "PER_THREAD_DEFAULT_STREAM",
+    "TORCH_GENERIC_STREAM",
     "HostFunctionLauncher",
     "HostFunctionPath",
     "as_cu_stream",
     "check",
+    "cuda_event_handle",
     "cuda_stream_handle",
     "current_context",
     "device_error",
@@ -62,8 +65,9 @@ HostFunctionPath = Literal["v2", "v1", "none"]
 #: The stream objects the backend accepts, for error messages.
 ACCEPTS = (
     "a CUDA stream: an object with __cuda_stream__ (cuda.core, PyTorch, numba-cuda, "
-    "cuda.bindings CUstream), a CuPy stream, a torch.cuda.Stream, a numba-cuda stream, "
-    "or an int handle (0 null, 1 legacy default, 2 per-thread default stream)"
+    "cuda.bindings CUstream), a CuPy stream, a torch.cuda.Stream, a torch.Stream on CUDA "
+    "(torch.accelerator.current_stream()), a numba-cuda stream, or an int handle "
+    "(0 null, 1 legacy default, 2 per-thread default stream)"
 )
 
 # cuda.bindings' switch for per-thread default streams: any non-zero integer
@@ -237,12 +241,29 @@ def stream_device(stream: object) -> int | None:
 _HANDLE_ATTRIBUTES = {"torch": "cuda_stream", "cupy": "ptr", "numba": "handle"}
 
 
+def _is_torch_generic_stream(kind: type) -> bool:
+    """Whether ``kind`` is PyTorch's device-generic ``torch.Stream`` (device in the object)."""
+    return kind.__module__ == "torch" and kind.__qualname__ == "Stream"
+
+
+#: PyTorch's device-generic ``torch.Stream``, as (module, qualified name): the
+#: backend is chosen by the object (its ``device_type``), never by its type.
+TORCH_GENERIC_STREAM: Final = ("torch", "Stream")
+
+
 def is_cuda_stream(stream: object) -> bool:
-    """Whether ``stream`` is a stream object :func:`cuda_stream_handle` takes (by type)."""
+    """Whether ``stream`` is a stream object :func:`cuda_stream_handle` takes.
+
+    By type, except for PyTorch's generic ``torch.Stream``: one whose device
+    is CUDA.
+    """
     if isinstance(stream, bool):
         return False
-    if isinstance(stream, int) or hasattr(type(stream), "__cuda_stream__"):
+    kind = type(stream)
+    if isinstance(stream, int) or hasattr(kind, "__cuda_stream__"):
         return True
+    if _is_torch_generic_stream(kind):
+        return getattr(getattr(stream, "device", None), "type", None) == "cuda"
     return _handle_attribute(stream) is not None
 
 
@@ -267,6 +288,9 @@ def cuda_stream_handle(stream: object) -> int:
     elif hasattr(type(stream), "__cuda_stream__"):
         handle = _protocol_handle(stream)
         source = f"{kind}.__cuda_stream__"
+    elif _is_torch_generic_stream(type(stream)) and is_cuda_stream(stream):
+        handle = _torch_generic_handle(stream)
+        source = "torch.Stream.stream_id"
     elif (attribute := _handle_attribute(stream)) is not None:
         handle = getattr(stream, attribute)
         source = f"{kind}.{attribute}"
@@ -290,6 +314,35 @@ def cuda_stream_handle(stream: object) -> int:
     if not 0 <= handle < 1 << 64:
         raise ValueError(f"a CUDA stream handle must be in [0, 2**64), got {handle} from {source}")
     return handle
+
+
+def _torch_generic_handle(stream: Any) -> int:
+    """The ``cudaStream_t`` of a ``torch.Stream`` on CUDA, as PyTorch decodes its id.
+
+    PyTorch's stream ids (c10's ``CUDAStream``): 0 is the device's default
+    stream (handle 0, as ``torch.cuda.default_stream().cuda_stream``); an
+    even id is an external stream's handle itself (``torch.cuda.ExternalStream``);
+    an odd one names a stream of PyTorch's own pools, which only PyTorch's
+    CUDA build can resolve (``torch.cuda.Stream(stream_id=...)``, its own
+    advice for a generic stream).
+
+    Raises:
+        TypeError: A pooled stream, and this PyTorch has no CUDA.
+    """
+    stream_id: int = stream.stream_id
+    if stream_id == 0 or not stream_id & 1:
+        return stream_id
+    torch = sys.modules["torch"]  # a torch.Stream exists, so torch is imported
+    if not torch.backends.cuda.is_built():
+        raise TypeError(
+            f"this torch.Stream (cuda:{stream.device_index}, stream_id {stream_id}) names a "
+            "stream of PyTorch's own CUDA pools, which this PyTorch, built without CUDA, "
+            "cannot resolve"
+        )
+    cuda_stream = torch.cuda.Stream(
+        stream_id=stream_id, device_index=stream.device_index, device_type=stream.device_type
+    )
+    return int(cuda_stream.cuda_stream)
 
 
 def as_cu_stream(drv: ModuleType, stream: object) -> tuple[Any, int]:
@@ -329,6 +382,76 @@ def _protocol_handle(stream: object) -> object:
             f"{type_name(stream)} (asyncfence speaks version 0)"
         )
     return handle
+
+
+#: The CUDA events :func:`cuda_event_handle` takes, for error messages.
+EVENTS_ACCEPTED = (
+    "a CUDA event: a cuda.bindings.driver.CUevent, a torch.cuda.Event, a torch.Event "
+    "on CUDA, a cupy.cuda.Event, a cuda.core Event, or a numba-cuda event"
+)
+
+
+def cuda_event_handle(event: object) -> tuple[int, int | None] | None:
+    """The raw ``CUevent`` handle of a library's CUDA event, and the device it names.
+
+    By the type's module, without importing any library: a
+    ``cuda.bindings`` ``CUevent``; cuda.core's ``Event`` (``.handle``);
+    PyTorch's ``torch.cuda.Event`` (``.cuda_event``) and ``torch.Event`` on
+    CUDA (``.event_id``); CuPy's ``Event`` (``.ptr``); numba-cuda's
+    (``.handle``). Handle 0 is an event its library has not created yet
+    (PyTorch creates one at its first record): one never recorded.
+
+    Returns:
+        ``(handle, device ordinal or None)``, or ``None`` when ``event`` is
+        no CUDA event of a library asyncfence knows.
+
+    Raises:
+        TypeError: A library's event that is not a CUDA event (a
+            ``torch.Event`` on the CPU), a closed one, or one whose handle
+            is not an int.
+        ValueError: The handle is out of range.
+    """
+    kind = type(event)
+    module = kind.__module__
+    library = module.partition(".")[0]
+    device: object = None
+    if module == "cuda.bindings.driver" and kind.__qualname__ == "CUevent":
+        handle: object = int(cast("SupportsInt", event))
+    elif (module == "cuda.core" or module.startswith("cuda.core.")) and hasattr(event, "handle"):
+        if getattr(event, "is_closed", False) or event.handle is None:
+            raise TypeError(f"this {type_name(event)} is closed")
+        handle = int(cast("SupportsInt", event.handle))
+        device = getattr(getattr(event, "device", None), "device_id", None)
+    elif library == "torch" and hasattr(event, "cuda_event"):  # torch.cuda.Event
+        handle = event.cuda_event
+        device = getattr(getattr(event, "device", None), "index", None)
+    elif library == "torch" and hasattr(event, "event_id"):  # torch.Event, device-generic
+        where = getattr(event, "device", None)
+        if getattr(where, "type", None) != "cuda":
+            raise TypeError(
+                f"expected {EVENTS_ACCEPTED}; got a torch.Event on {where}, not a CUDA event"
+            )
+        handle = event.event_id
+        device = getattr(where, "index", None)
+    elif library == "cupy" and hasattr(event, "ptr"):
+        handle = event.ptr
+    elif library == "numba" and hasattr(event, "handle"):
+        handle = event.handle
+        if isinstance(handle, ctypes.c_void_p):  # older numba-cuda's ctypes binding
+            handle = handle.value or 0
+        else:
+            handle = int(cast("SupportsInt", handle))
+    else:
+        return None
+    if isinstance(handle, bool) or not isinstance(handle, int):
+        raise TypeError(
+            f"a CUDA event handle must be an int, got {type_name(handle)} {handle!r} "
+            f"from {type_name(event)}"
+        )
+    if not 0 <= handle < 1 << 64:
+        raise ValueError(f"a CUDA event handle must be in [0, 2**64), got {handle}")
+    ordinal = device if isinstance(device, int) and not isinstance(device, bool) else None
+    return handle, ordinal if ordinal is None or ordinal >= 0 else None
 
 
 class HostFunctionLauncher:

@@ -28,10 +28,12 @@ from ._driver import (
     LEGACY_DEFAULT_STREAM,
     NULL_STREAM,
     PER_THREAD_DEFAULT_STREAM,
+    TORCH_GENERIC_STREAM,
     HostFunctionLauncher,
     HostFunctionPath,
     as_cu_stream,
     check,
+    cuda_event_handle,
     cuda_stream_handle,
     current_context,
     device_error,
@@ -110,6 +112,25 @@ _UUID_BYTES = 16
 _IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
 
 
+def _query_relaxed(drv: ModuleType, event: Any) -> Any:
+    """``cuEventQuery(event)``'s result, queried in relaxed capture mode.
+
+    A query is a "potentially unsafe" call while a graph is captured: in the
+    default (global) capture mode, a capture on any thread makes the driver
+    refuse it and invalidate that capture. Relaxed mode, for this one call,
+    lets the query through and leaves every capture alone.
+    """
+    relaxed, previous = drv.cuThreadExchangeStreamCaptureMode(
+        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    )
+    try:
+        (err,) = drv.cuEventQuery(event)
+    finally:
+        if not relaxed:  # CUDA_SUCCESS: put the thread's own mode back
+            drv.cuThreadExchangeStreamCaptureMode(previous)
+    return err
+
+
 class _CudaMarker:
     """A recorded event, its context, the pool it goes back to, and its record order."""
 
@@ -120,6 +141,16 @@ class _CudaMarker:
         self.context = context
         self.pool = pool
         self.order = order
+
+
+class _AdoptedMarker(_CudaMarker):
+    """An adopted event's marker (``from_event``): it also keeps the user's event object."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, event: Any, context: int, pool: deque[Any], order: int, source: object):
+        super().__init__(event, context, pool, order)
+        self.source = source
 
 
 class _Lane:
@@ -145,6 +176,7 @@ class CudaBackend(Backend[_CudaMarker]):
     title = "CUDA"
     accepts = ACCEPTS
     default_rank = 0  # a GPU, where one is present
+    claimed_by_object = frozenset({TORCH_GENERIC_STREAM})  # a torch.Stream on CUDA
 
     def __init__(self) -> None:
         # Keyed by context id (cuCtxGetId): a context reset (cuDevicePrimaryCtxReset,
@@ -360,18 +392,7 @@ class CudaBackend(Backend[_CudaMarker]):
 
     def query(self, marker: _CudaMarker) -> bool:
         drv = driver()
-        # A query is a "potentially unsafe" call while a graph is captured: in
-        # the default (global) capture mode, a capture on any thread makes the
-        # driver refuse it and invalidate that capture. Relaxed mode, for this
-        # one call, lets the query through and leaves every capture alone.
-        relaxed, previous = drv.cuThreadExchangeStreamCaptureMode(
-            drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
-        )
-        try:
-            (err,) = drv.cuEventQuery(marker.event)
-        finally:
-            if not relaxed:  # CUDA_SUCCESS: put the thread's own mode back
-                drv.cuThreadExchangeStreamCaptureMode(previous)
+        err = _query_relaxed(drv, marker.event)
         if err == drv.CUresult.CUDA_SUCCESS:
             return True
         if err == drv.CUresult.CUDA_ERROR_NOT_READY:
@@ -379,27 +400,36 @@ class CudaBackend(Backend[_CudaMarker]):
         raise device_error(drv, err, "the work before the fence failed")
 
     def adopt_event(self, event: object) -> tuple[_CudaMarker, QueueInfo] | None:
-        """A pooled event that completes with the latest record of ``event`` (a ``CUevent``).
+        """A pooled event that completes with the latest record of ``event``.
 
-        As ``cuStreamWaitEvent`` does: a new stream of the calling thread's
-        context (or device 0's primary) waits for ``event`` as recorded now,
-        and a pooled event is recorded behind that wait; the user may record
-        ``event`` again at once. An event never recorded is done.
+        ``event`` is any library's CUDA event (:func:`cuda_event_handle`).
+        As ``cuStreamWaitEvent`` does: a new stream waits for ``event`` as
+        recorded now, and a pooled event is recorded behind that wait; the
+        user may record ``event`` again at once. An event never recorded is
+        done. The stream is made in the calling thread's context, else in the
+        primary context of the device the event's object names (or device 0).
 
         Raises:
-            DeviceError: The driver refused the wait (an invalid event, or
-                one recorded in a capture).
+            FenceError: ``event`` was last recorded inside a CUDA graph
+                capture (it belongs to the graph and never completes).
+            DeviceError: The driver refused the wait (an invalid event, or a
+                context that faulted).
+            TypeError: A library's event that is not a CUDA event.
         """
-        if type(event).__module__.partition(".")[0] != "cuda":
-            return None  # cuda.bindings is never imported for another library's object
-        drv = driver("CUDA events")
-        if not isinstance(event, drv.CUevent):
+        found = cuda_event_handle(event)
+        if found is None:
             return None
-        context = current_context(drv) or self._primary_context(drv, 0)
+        handle, ordinal = found
+        drv = driver("CUDA events")
+        context = current_context(drv) or self._primary_context(drv, ordinal or 0)
         identity = self._context_id(drv, context)
         pool = self._pool(identity)
         pushed = push_context(drv, context, "the current")
         try:
+            user_event = None
+            if handle:  # 0: never created by its library, so never recorded
+                user_event = event if type(event) is drv.CUevent else drv.CUevent(handle)
+                self._refuse_captured_event(drv, user_event)
             flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
             stream = check(drv.cuStreamCreate(flags), "cuStreamCreate")
             try:
@@ -407,7 +437,9 @@ class CudaBackend(Backend[_CudaMarker]):
                     ours = pool.pop()
                 except IndexError:
                     ours = self._create_event(drv, context)
-                (err,) = drv.cuStreamWaitEvent(stream, event, 0)
+                err = drv.CUresult.CUDA_SUCCESS
+                if user_event is not None:
+                    (err,) = drv.cuStreamWaitEvent(stream, user_event, 0)
                 if err == drv.CUresult.CUDA_SUCCESS:
                     (err,) = drv.cuEventRecord(ours, stream)
                 if err != drv.CUresult.CUDA_SUCCESS:
@@ -420,8 +452,33 @@ class CudaBackend(Backend[_CudaMarker]):
             if pushed:
                 pop_context(drv)
         order = next(self._orders)
-        # A queue of its own: no other fence is ordered with it.
-        return _CudaMarker(ours, context, pool, order), QueueInfo(("adopted", identity, order))
+        # The user's event lives as long as the marker; a queue of its own:
+        # no other fence is ordered with it.
+        marker = _AdoptedMarker(ours, context, pool, order, event)
+        return marker, QueueInfo(("adopted", identity, order))
+
+    def _refuse_captured_event(self, drv: ModuleType, event: Any) -> None:
+        """Raise if ``event`` was last recorded in a graph capture; one relaxed query.
+
+        A wait for it from a stream outside the capture would join that
+        stream to the capture, not wait. ``cuEventQuery`` says
+        ``CUDA_ERROR_CAPTURED_EVENT`` for it, in relaxed mode without
+        disturbing any capture.
+
+        Raises:
+            FenceError: It was.
+            DeviceError: The query failed otherwise (a faulted context).
+        """
+        err = _query_relaxed(drv, event)
+        if err in (drv.CUresult.CUDA_SUCCESS, drv.CUresult.CUDA_ERROR_NOT_READY):
+            return
+        if err == drv.CUresult.CUDA_ERROR_CAPTURED_EVENT:
+            raise FenceError(
+                "cannot make a fence of an event last recorded inside a CUDA graph capture: "
+                "it belongs to the graph and never completes as such; record the event "
+                f"again outside the capture, or {_CAPTURE_ADVICE}"
+            )
+        raise device_error(drv, err, "cannot query the event")
 
     def check_stream(self, origin: QueueInfo, stream: object) -> None:
         # The stream's context, as record() resolves it: any context will do

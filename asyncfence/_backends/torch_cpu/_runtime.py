@@ -13,11 +13,12 @@ that the type's module is torch's):
   ``torch.get_device_module("cpu").current_stream()``, ``torch.cpu.Stream()``
   and ``torch.cpu.current_stream()`` give;
 * ``torch.Stream`` itself, PyTorch's device-generic stream, on the CPU
-  (``torch.Stream(device="cpu")``). Its type is the same on every device:
-  one on another device is claimed too, then refused with a ``TypeError``
-  that says which stream to pass instead (``torch.cuda.Stream`` for CUDA).
+  (``torch.Stream(device="cpu")``). Its type is the same on every device, so
+  it is claimed by the object: one on CUDA is the CUDA backend's (registered
+  before this one), one on another device is claimed here, then refused with
+  a ``TypeError`` that says which stream to pass instead.
 
-``torch.cuda.Stream`` is the CUDA backend's (registered before this one).
+``torch.cuda.Stream`` is the CUDA backend's.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class TorchCpuBackend(Backend[_Passed]):
     default_rank = 2  # registered without devices: never the default device
     fork_safe = True  # no runtime: a forked child (a DataLoader worker) records as well
     refcounted_markers = True  # a marker is a plain object, with nothing to give back
+    claimed_by_object = frozenset({("torch", "Stream")})  # torch.Stream: by its device
 
     def claims(self, stream: object) -> bool:
         kind = type(stream)
@@ -99,7 +101,7 @@ class TorchCpuBackend(Backend[_Passed]):
             raise TypeError(
                 f"expected {_ACCEPTS}; got a torch.Stream on {device_type!r}: for work on "
                 f"that device pass its own stream, torch.get_device_module({device_type!r})"
-                ".current_stream() (a torch.cuda.Stream for CUDA)"
+                ".current_stream()"
             )
 
     def stream_key(self, stream: object) -> Hashable:
