@@ -1795,7 +1795,7 @@ def test_a_closed_cuda_core_event_is_refused(cuda_device: CudaDevice) -> None:
 def _torch_with_cuda() -> Any:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
-        pytest.skip("PyTorch has no CUDA device here (its CUDA events need one)")
+        pytest.skip("needs PyTorch with a CUDA GPU (its CUDA events and streams)")
     return torch
 
 
@@ -1838,7 +1838,7 @@ async def test_a_cupy_event_is_adopted(cuda_device: CudaDevice) -> None:
 async def test_a_numba_event_is_adopted(cuda_device: CudaDevice) -> None:
     numba_cuda = pytest.importorskip("numba.cuda")
     if not numba_cuda.is_available():
-        pytest.skip("numba-cuda finds no CUDA device here")
+        pytest.skip("needs a real GPU: numba-cuda finds no CUDA device")
     stream = numba_cuda.stream()
     event = numba_cuda.event(timing=False)
     with hold(stream) as gate:
@@ -1918,7 +1918,7 @@ def test_the_default_stream_of_a_generic_torch_stream(cuda_device: CudaDevice) -
 def test_a_pooled_generic_torch_stream_needs_pytorchs_cuda() -> None:
     torch = pytest.importorskip("torch")
     if torch.backends.cuda.is_built():
-        pytest.skip("this PyTorch resolves its own pooled streams")
+        pytest.skip("needs PyTorch without CUDA: a CUDA build resolves its own pooled streams")
     pooled = torch.Stream(stream_id=0x13, device_index=0, device_type=1)  # odd: PyTorch's pool
     with pytest.raises(TypeError, match="built without CUDA"):
         asyncfence.record(pooled)
