@@ -218,7 +218,7 @@ step probe 40 "$out/steps.log" "${with_driver[@]}" "$python" "$report" probe "$w
 # -- the tests -------------------------------------------------------------------------------
 cd "$root"
 test_files=(tests/test_cuda.py tests/test_interop.py tests/test_torch_cpu.py tests/test_torch_server.py
-    tests/test_relay.py)
+    tests/test_relay.py tests/test_engine.py)
 pytest_args=(
     -p no:cacheprovider -o addopts= --strict-markers -rA --durations=20
     -o timeout_method=signal --timeout "$test_timeout"

@@ -114,6 +114,10 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._unframer = Unframer()
         self._pending: list[tuple[Any, ...]] = []
+        # The steps received, their fences imported, in order; at most one per slot.
+        self._steps_send, self._steps_receive = anyio.create_memory_object_stream[
+            tuple[Any, asyncfence.ImportedFence | asyncfence.FenceError | None]
+        ](max_buffer_size=slots + 1)
         self._outbox_send, self._outbox_receive = anyio.create_memory_object_stream[
             tuple[Any, ...]
         ](max_buffer_size=1 << 16)
@@ -160,7 +164,8 @@ class EngineClient:
                 if ready is None or ready[0] != "ready":
                     raise EngineGone(f"the engine did not start (it sent {ready!r})")
                 self.info = ready[1]
-                tg.start_soon(self._serve_steps)
+                tg.start_soon(self._receive_steps)
+                tg.start_soon(self._deliver_steps)
                 tg.start_soon(self._send_outbox)
                 try:
                     yield self
@@ -216,7 +221,7 @@ class EngineClient:
                 try:
                     await self._connection.send(frame(message))
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    return  # the engine is gone: _serve_steps tells every stream
+                    return  # the engine is gone: _deliver_steps tells every stream
 
     async def _receive(self) -> tuple[Any, ...] | None:
         """The engine's next message; ``None`` at the end of its stream."""
@@ -229,25 +234,46 @@ class EngineClient:
                 return None
             self._pending = self._unframer.feed(data)
 
-    async def _serve_steps(self) -> None:
+    async def _receive_steps(self) -> None:
+        """Take each message as it comes; import a step's fence at once, without waiting.
+
+        Importing connects to the engine's relay and asks for the answer, so
+        the round trips of the steps behind the one awaited overlap it.
+        Everything goes on, in order, to :meth:`_deliver_steps`.
+        """
+        with self._steps_send:
+            while True:
+                message = await self._receive()
+                if message is None or message[0] == "fatal":
+                    self._steps_send.send_nowait((message, None))
+                    return
+                if message[0] == "active":
+                    self.engine_active = message[1]
+                    continue
+                self.slots_held += 1
+                token = message[3]
+                fence: asyncfence.ImportedFence | asyncfence.FenceError | None = None
+                if token is not None:
+                    try:
+                        fence = asyncfence.import_fence(token)
+                    except asyncfence.FenceError as error:  # its exporter is gone
+                        fence = error
+                self._steps_send.send_nowait((message, fence))
+
+    async def _deliver_steps(self) -> None:
         """Each step in turn: await its fence, read its slot, hand out its tokens."""
-        while True:
-            message = await self._receive()
-            if message is None:
-                self._fail_all(self.failure or "the engine process exited")
-                return
-            if message[0] == "fatal":
-                self._fail_all(f"the engine stopped: {message[1]}")
+        async for message, fence in self._steps_receive:
+            if message is None or message[0] == "fatal":
+                stopped = f"the engine stopped: {message[1]}" if message else None
+                self._fail_all(self.failure or stopped or "the engine process exited")
                 await self._connection.aclose()  # the engine waits for this to exit
                 return
-            if message[0] == "active":
-                self.engine_active = message[1]
-                continue
-            _, number, slot, token, rows, finished, active = message
-            self.slots_held += 1
+            _, number, slot, _, rows, finished, active = message
             try:
-                if token is not None:
-                    await asyncfence.import_fence(token)  # parks; no thread, no polling
+                if isinstance(fence, asyncfence.FenceError):
+                    raise fence
+                if fence is not None:
+                    await fence  # parks on the relay's socket: no thread, no polling
             except asyncfence.FenceError as error:  # DeviceError, FenceLostError
                 if isinstance(error, asyncfence.FenceLostError):
                     failed = f"the engine process is gone (at step {number}): {error}"

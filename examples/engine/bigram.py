@@ -41,8 +41,8 @@ __all__ = [
     "reference_tokens",
 ]
 
-VOCABULARY = 512
-WIDTH = 32
+VOCABULARY = 256
+WIDTH = 16
 _rng = np.random.default_rng(2026)
 EMBED = _rng.integers(-4, 5, size=(VOCABULARY, WIDTH)).astype(np.float32)
 PROJECT = _rng.integers(-4, 5, size=(WIDTH, VOCABULARY)).astype(np.float32)
