@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import mmap
 import os
 import signal
@@ -114,10 +115,11 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._unframer = Unframer()
         self._pending: list[tuple[Any, ...]] = []
-        # The steps received, their fences imported, in order; at most one per slot.
+        # The steps received, their fences imported, in order (one per slot at most),
+        # and the counts of active requests sent between them.
         self._steps_send, self._steps_receive = anyio.create_memory_object_stream[
             tuple[Any, asyncfence.ImportedFence | asyncfence.FenceError | None]
-        ](max_buffer_size=slots + 1)
+        ](max_buffer_size=math.inf)
         self._outbox_send, self._outbox_receive = anyio.create_memory_object_stream[
             tuple[Any, ...]
         ](max_buffer_size=1 << 16)
@@ -128,17 +130,30 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self.failure is None and self.process is not None and self.process.poll() is None
+        return self.failure is None and self._engine_running()
+
+    def engine_args(self, ring_path: str) -> list[str]:
+        """The engine's command line options (``engine.py``'s), for the ring at ``ring_path``."""
+        return [
+            f"--ring={ring_path}",
+            f"--rows={self.rows}",
+            f"--slots={self.slots}",
+            f"--wait={self.wait}",
+            f"--device={self.device}",
+            f"--step-ms={self._step_ms}",
+            *self._engine_args,
+        ]
+
+    # -- the transport: a process and a socket pair here; Ray calls in ray_app.py ---
+
+    def _engine_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[EngineClient]:
-        """Start the engine, serve its steps while the block runs, then stop it."""
-        ring_fd, ring_path = tempfile.mkstemp(prefix="asyncfence-engine-", dir=_shm_dir())
+    async def _engine_started(self, ring_path: str) -> AsyncIterator[None]:
+        """Start the engine process on the ring; stop it when the block ends."""
         ours, theirs = socket.socketpair()
         try:
-            os.ftruncate(ring_fd, self.slots * self.rows * 4)
-            self._ring_map = mmap.mmap(ring_fd, 0)
-            self.ring = np.frombuffer(self._ring_map, np.int32).reshape(self.slots, self.rows)
             # Forks and execs, quickly, once at startup. (asyncio's own
             # subprocess support would watch the child with a thread.)
             self.process = subprocess.Popen(  # noqa: ASYNC220
@@ -146,19 +161,43 @@ class EngineClient:
                     sys.executable,
                     str(ENGINE),
                     f"--fd={theirs.fileno()}",
-                    f"--ring={ring_path}",
-                    f"--rows={self.rows}",
-                    f"--slots={self.slots}",
-                    f"--wait={self.wait}",
-                    f"--device={self.device}",
-                    f"--step-ms={self._step_ms}",
-                    *self._engine_args,
+                    *self.engine_args(ring_path),
                 ],
                 pass_fds=[theirs.fileno()],
             )
             theirs.close()
             self._connection = await anyio.abc.UNIXSocketStream.from_socket(ours)
-            async with anyio.create_task_group() as tg:
+            yield
+        finally:
+            theirs.close()
+            ours.close()
+            await self._stop_engine()
+
+    async def _receive_batch(self) -> list[tuple[Any, ...]] | None:
+        """The engine's next messages; ``None`` at the end of its stream."""
+        try:
+            data = await self._connection.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return None
+        return self._unframer.feed(data)
+
+    async def _send_batch(self, messages: list[tuple[Any, ...]]) -> None:
+        """Send ``messages`` to the engine (the caller handles a broken link)."""
+        await self._connection.send(b"".join(map(frame, messages)))
+
+    async def _hang_up(self) -> None:
+        """Tell the engine this side is done with it (it waits for that to exit)."""
+        await self._connection.aclose()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[EngineClient]:
+        """Start the engine, serve its steps while the block runs, then stop it."""
+        ring_fd, ring_path = tempfile.mkstemp(prefix="asyncfence-engine-", dir=_shm_dir())
+        try:
+            os.ftruncate(ring_fd, self.slots * self.rows * 4)
+            self._ring_map = mmap.mmap(ring_fd, 0)
+            self.ring = np.frombuffer(self._ring_map, np.int32).reshape(self.slots, self.rows)
+            async with self._engine_started(ring_path), anyio.create_task_group() as tg:
                 with anyio.fail_after(120):  # the engine imports its runtime, builds the kernel
                     ready = await self._receive()
                 if ready is None or ready[0] != "ready":
@@ -172,9 +211,6 @@ class EngineClient:
                 finally:
                     tg.cancel_scope.cancel()
         finally:
-            theirs.close()
-            ours.close()
-            await self._stop_engine()
             os.close(ring_fd)
             os.unlink(ring_path)
 
@@ -218,21 +254,23 @@ class EngineClient:
     async def _send_outbox(self) -> None:
         with self._outbox_receive:
             async for message in self._outbox_receive:
+                batch = [message]
+                with contextlib.suppress(anyio.WouldBlock):
+                    while True:
+                        batch.append(self._outbox_receive.receive_nowait())
                 try:
-                    await self._connection.send(frame(message))
+                    await self._send_batch(batch)
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     return  # the engine is gone: _deliver_steps tells every stream
 
     async def _receive(self) -> tuple[Any, ...] | None:
-        """The engine's next message; ``None`` at the end of its stream."""
-        while True:
-            if self._pending:
-                return self._pending.pop(0)
-            try:
-                data = await self._connection.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
+        """The engine's next message; ``None`` once it is gone."""
+        while not self._pending:
+            batch = await self._receive_batch()
+            if batch is None:
                 return None
-            self._pending = self._unframer.feed(data)
+            self._pending = batch
+        return self._pending.pop(0)
 
     async def _receive_steps(self) -> None:
         """Take each message as it comes; import a step's fence at once, without waiting.
@@ -247,8 +285,8 @@ class EngineClient:
                 if message is None or message[0] == "fatal":
                     self._steps_send.send_nowait((message, None))
                     return
-                if message[0] == "active":
-                    self.engine_active = message[1]
+                if message[0] == "active":  # in order with the steps, which carry it too
+                    self._steps_send.send_nowait((message, None))
                     continue
                 self.slots_held += 1
                 token = message[3]
@@ -266,8 +304,11 @@ class EngineClient:
             if message is None or message[0] == "fatal":
                 stopped = f"the engine stopped: {message[1]}" if message else None
                 self._fail_all(self.failure or stopped or "the engine process exited")
-                await self._connection.aclose()  # the engine waits for this to exit
+                await self._hang_up()  # the engine waits for this to exit
                 return
+            if message[0] == "active":
+                self.engine_active = message[1]
+                continue
             _, number, slot, _, rows, finished, active = message
             try:
                 if isinstance(fence, asyncfence.FenceError):

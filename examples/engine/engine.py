@@ -42,7 +42,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import numpy as np
@@ -51,11 +51,68 @@ from wire import Unframer, frame
 
 import asyncfence
 
-__all__ = ["Engine", "main"]
+__all__ = ["Engine", "Link", "SocketLink", "main", "open_ring", "run"]
 
 #: How long the engine waits for the oldest step in flight before it calls
 #: the device stuck and stops.
 STEP_TIMEOUT_S = 30.0
+
+
+class Link(Protocol):
+    """How the engine talks to the API side: a socket pair here, Ray calls in ``ray_app.py``."""
+
+    #: Set once the API side is gone.
+    closed: bool
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        """Queue ``message`` for the API side."""
+
+    async def flush(self) -> None:
+        """Hand over what is queued; lets the loop turn if the API side is behind."""
+
+    def take(self) -> list[tuple[Any, ...]]:
+        """The messages that have arrived; never blocks."""
+
+    async def wait(self) -> None:
+        """Return once a message may have arrived (or the API side is gone)."""
+
+
+class SocketLink:
+    """The engine's end of its socket pair with the API process: framed pickles."""
+
+    def __init__(self, connection: socket.socket) -> None:
+        connection.setblocking(False)
+        self.connection = connection
+        self.closed = False
+        self._unframer = Unframer()
+        self._outbox = bytearray()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        self._outbox += frame(message)
+
+    async def flush(self) -> None:
+        while self._outbox:
+            try:
+                sent = self.connection.send(self._outbox)
+            except BlockingIOError:
+                await anyio.wait_writable(self.connection)
+                continue
+            del self._outbox[:sent]
+
+    def take(self) -> list[tuple[Any, ...]]:
+        messages: list[tuple[Any, ...]] = []
+        while not self.closed:
+            try:
+                data = self.connection.recv(65536)
+            except BlockingIOError:
+                break
+            if not data:
+                self.closed = True  # the API process is gone
+            messages += self._unframer.feed(data)
+        return messages
+
+    async def wait(self) -> None:
+        await anyio.wait_readable(self.connection)
 
 
 @dataclass
@@ -71,7 +128,7 @@ class Engine:
 
     def __init__(
         self,
-        connection: socket.socket,
+        link: Link,
         ring: np.ndarray[Any, np.dtype[np.int32]],
         runner: Runner,
         *,
@@ -81,7 +138,7 @@ class Engine:
         fail_at: int | None,
         stall_at: int | None,
     ) -> None:
-        self.connection = connection
+        self.link = link
         self.ring = ring
         self.runner = runner
         self.wait = wait
@@ -95,37 +152,14 @@ class Engine:
         self.joining: collections.deque[tuple[int, int, int]] = collections.deque()
         self.in_flight: collections.deque[tuple[asyncfence.Fence, object]] = collections.deque()
         self.steps = 0
-        self.closed = False
-        self._unframer = Unframer()
-        self._outbox = bytearray()
-
-    # -- talking to the API process --------------------------------------------------
 
     def send(self, message: tuple[Any, ...]) -> None:
-        self._outbox += frame(message)
-
-    async def flush(self) -> None:
-        """Send what is queued; if the socket is full, let the loop turn until it is not."""
-        while self._outbox:
-            try:
-                sent = self.connection.send(self._outbox)
-            except BlockingIOError:
-                await anyio.wait_writable(self.connection)
-                continue
-            del self._outbox[:sent]
+        self.link.send(message)
 
     def take_input(self) -> None:
         """Handle every message that has arrived; never blocks."""
-        while True:
-            try:
-                data = self.connection.recv(65536)
-            except BlockingIOError:
-                return
-            if not data:
-                self.closed = True  # the API process is gone
-                return
-            for message in self._unframer.feed(data):
-                self._handle(message)
+        for message in self.link.take():
+            self._handle(message)
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -194,32 +228,40 @@ class Engine:
 
 async def run(engine: Engine, info: dict[str, Any]) -> int:
     """The step loop; the event loop turns between steps (the relay answers imports)."""
+    link = engine.link
     engine.send(("ready", info))
     try:
-        while not engine.closed:
-            await engine.flush()
+        while not link.closed:
+            await link.flush()
             engine.take_input()
             engine.admit()
             if not engine.active or not engine.free_slots:
-                # Nothing to do, or every slot out: wait for the API process.
+                # Nothing to do, or every slot out: wait for the API side.
                 # Never a blocking wait here: its acks follow imports this
                 # loop's relay answers.
-                await anyio.wait_readable(engine.connection)
+                await link.wait()
                 continue
             engine.step()
             engine.bound_in_flight()
             await anyio.lowlevel.checkpoint()
     except (asyncfence.DeviceError, TimeoutError) as error:
         engine.send(("fatal", f"{type(error).__name__}: {error}"))
-        await engine.flush()
-        # Stay until the API process hangs up: the steps already sent are
+        await link.flush()
+        # Stay until the API side hangs up: the steps already sent are
         # answered by this loop's relay, the good ones and the failed one.
         with anyio.move_on_after(STEP_TIMEOUT_S):
-            while not engine.closed:
-                await anyio.wait_readable(engine.connection)
+            while not link.closed:
+                await link.wait()
                 engine.take_input()
         return 1
     return 0
+
+
+def open_ring(path: str, slots: int, rows: int) -> np.ndarray[Any, np.dtype[np.int32]]:
+    """The shared ring the API side made: ``slots`` rows of ``rows`` tokens."""
+    with open(path, "r+b") as file:
+        shared = mmap.mmap(file.fileno(), 0)
+    return np.frombuffer(shared, np.int32).reshape(slots, rows)
 
 
 def main() -> None:
@@ -235,15 +277,11 @@ def main() -> None:
     parser.add_argument("--fail-at-step", type=int)
     parser.add_argument("--stall-at-step", type=int)
     args = parser.parse_args()
-    connection = socket.socket(fileno=args.fd)
-    connection.setblocking(False)
+    link = SocketLink(socket.socket(fileno=args.fd))
     runner = open_runner(args.device, args.rows)
-    with open(args.ring, "r+b") as file:
-        shared = mmap.mmap(file.fileno(), 0)
-    ring = np.frombuffer(shared, np.int32).reshape(args.slots, args.rows)
     engine = Engine(
-        connection,
-        ring,
+        link,
+        open_ring(args.ring, args.slots, args.rows),
         runner,
         wait=args.wait,
         in_flight=args.in_flight,
