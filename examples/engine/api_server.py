@@ -318,6 +318,8 @@ class EngineClient:
             except asyncfence.FenceError as error:  # DeviceError, FenceLostError
                 if isinstance(error, asyncfence.FenceLostError):
                     failed = f"the engine process is gone (at step {number}): {error}"
+                elif isinstance(error, asyncfence.TokenRefusedError):
+                    failed = f"step {number}'s fence cannot be awaited here: {error}"
                 else:
                     failed = f"step {number} failed: {type(error).__name__}: {error}"
                 for request_id, _, _ in rows:
@@ -369,24 +371,29 @@ def make_app(
     health_bound_s: float = 5.0,
     step_ms: float = 0.0,
     engine_args: Iterable[str] = (),
+    engine: EngineClient | None = None,
 ) -> FastAPI:
-    """The API app; its lifespan starts the engine process and stops it."""
-    engine = EngineClient(
+    """The API app; its lifespan starts the engine process and stops it.
+
+    ``engine``, where given, is the client to use instead of a new
+    :class:`EngineClient` made from the other settings (``ray_app.py``'s).
+    """
+    client = engine or EngineClient(
         wait=wait, device=device, rows=rows, slots=slots, step_ms=step_ms, engine_args=engine_args
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with engine.running():
+        async with client.running():
             yield
 
     app = FastAPI(title="asyncfence engine example", lifespan=lifespan)
-    app.state.engine = engine
+    app.state.engine = client
 
     @app.post("/generate")
     async def generate(body: GenerateBody) -> StreamingResponse:
         try:
-            request_id, receive = engine.submit(body.prompt, body.max_tokens)
+            request_id, receive = client.submit(body.prompt, body.max_tokens)
         except EngineGone as error:
             raise HTTPException(503, str(error)) from None
 
@@ -401,28 +408,28 @@ def make_app(
                         else:
                             yield _event("error", {"error": rest[0]})
             finally:
-                engine.forget(request_id)  # a client gone mid-stream: its row is let go
+                client.forget(request_id)  # a client gone mid-stream: its row is let go
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     def health_report() -> tuple[int, dict[str, Any]]:
         stats = asyncfence.current_statistics(stuck_after=health_bound_s)
         stuck = stats.stuck_fences or 0
-        healthy = engine.alive and not stuck
+        healthy = client.alive and not stuck
         return (200 if healthy else 503), {
             "status": "ok" if healthy else "unhealthy",
-            "engine": "running" if engine.alive else (engine.failure or "gone"),
+            "engine": "running" if client.alive else (client.failure or "gone"),
             "stuck_fences": stuck,
             "oldest_pending_s": stats.oldest_pending_age,
             "health_bound_s": health_bound_s,
-            "wait": engine.wait,
-            "device": engine.info.get("device"),
-            "fences_done_when_recorded": engine.info.get("done_when_recorded"),
-            "steps": engine.steps,
-            "tokens": engine.tokens,
-            "open_requests": engine.open_requests,
-            "engine_active_requests": engine.engine_active,
-            "slots_held": engine.slots_held,
+            "wait": client.wait,
+            "device": client.info.get("device"),
+            "fences_done_when_recorded": client.info.get("done_when_recorded"),
+            "steps": client.steps,
+            "tokens": client.tokens,
+            "open_requests": client.open_requests,
+            "engine_active_requests": client.engine_active,
+            "slots_held": client.slots_held,
             "threads": threading.active_count(),
         }
 
@@ -446,11 +453,11 @@ def make_app(
                 "how long the oldest awaited step fence has been pending",
                 value=body["oldest_pending_s"] or 0.0,
             )
-            yield GaugeMetricFamily("engine_up", "1 while the engine runs", value=engine.alive)
-            yield CounterMetricFamily("engine_steps", "steps received", value=engine.steps)
-            yield CounterMetricFamily("engine_tokens", "tokens streamed", value=engine.tokens)
+            yield GaugeMetricFamily("engine_up", "1 while the engine runs", value=client.alive)
+            yield CounterMetricFamily("engine_steps", "steps received", value=client.steps)
+            yield CounterMetricFamily("engine_tokens", "tokens streamed", value=client.tokens)
             yield GaugeMetricFamily(
-                "engine_open_requests", "requests streaming", value=engine.open_requests
+                "engine_open_requests", "requests streaming", value=client.open_requests
             )
 
     registry.register(_Collector())
