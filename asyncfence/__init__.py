@@ -9,6 +9,8 @@ Thread-safety: :func:`record`, :func:`configure`, and a fence's ``done()``,
 happens on an event loop; several loops may await one fence at once.
 """
 
+from importlib import metadata as _metadata
+
 from ._backend import BackendStatistics as BackendStatistics
 from ._backend import backend_statistics as backend_statistics
 from ._backends import DeviceBuffer as DeviceBuffer  # and registers the device backends
@@ -63,7 +65,8 @@ __all__ = (
     "warm_up",
 )
 
-__version__ = "0.1.0"
+#: The installed distribution's version (pyproject.toml holds the one literal).
+__version__: str = _metadata.version("asyncfence")
 
 for _name in __all__:
     globals()[_name].__module__ = "asyncfence"

@@ -45,7 +45,7 @@ def _run_lab(argv: list[str]) -> int:
         sys.path.insert(0, str(root))
     from benchmarks.__main__ import main as lab_main
 
-    return lab_main(argv)
+    return lab_main(argv, prog="python -m asyncfence")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,11 +68,39 @@ def _plot(report_path: str, image_path: str) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen command; returns the exit status."""
+def _unwritable(path: str, *, image: bool) -> str | None:
+    """Why ``path`` cannot be written as an output (checked before measuring), or None."""
+    import os
+    from pathlib import Path
+
+    target = Path(path)
+    if target.is_dir():
+        return "it is a directory"
+    folder = target.parent
+    if not folder.is_dir():
+        return f"no such directory: {folder}"
+    if not os.access(folder if not target.exists() else target, os.W_OK):
+        return "permission denied"
+    if image:
+        from matplotlib.figure import Figure
+
+        kinds = Figure().canvas.get_supported_filetypes()
+        kind = target.suffix.lstrip(".").lower()
+        if kind not in kinds:
+            known = ", ".join(sorted(kinds))
+            return f"matplotlib cannot write .{kind or '(none)'} files (it writes {known})"
+    return None
+
+
+def main(argv: list[str] | None = None, *, prog: str = "python -m benchmarks") -> int:
+    """Parse ``argv`` and run the chosen command; returns the exit status.
+
+    ``prog`` names the command in the help and in errors (``python -m
+    asyncfence`` hands over to this with its own name).
+    """
     import asyncfence
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=_DESCRIPTION)
+    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION)
     parser.add_argument(
         "--version", action="version", version=f"asyncfence {asyncfence.__version__}"
     )
@@ -133,6 +161,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from .bench import run_bench
 
+    if args.plot:
+        from .bench.report import require_matplotlib
+
+        require_matplotlib()
+    # Outputs are checked before anything is measured: a run is minutes long.
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and (why := _unwritable(path, image=option == "--plot")):
+            print(f"{prog} bench: cannot write {option} {path}: {why}", file=sys.stderr)
+            return 2
     if args.spin_budget is not None:
         asyncfence.configure(spin_budget=args.spin_budget)
     run_bench(

@@ -638,8 +638,38 @@ def test_bench_help_names_every_scenario_and_how_long(capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert "``" not in out
     assert "A full run takes about" in out
+    assert out.startswith("usage: python -m asyncfence bench ")  # the command as typed
     for scenario in runner.SCENARIOS:
         assert scenario.key in out
+
+
+@pytest.mark.parametrize(
+    ("option", "path", "why"),
+    [
+        ("--plot", "{tmp}/no/such/folder/bench.png", "no such directory"),
+        ("--plot", "{tmp}", "it is a directory"),
+        ("--plot", "{tmp}/bench.xyz", "matplotlib cannot write .xyz files"),
+        ("--json", "{tmp}/no/such/folder/bench.json", "no such directory"),
+    ],
+)
+def test_an_output_that_cannot_be_written_fails_in_one_line_before_measuring(
+    tmp_path: Path, option: str, path: str, why: str
+) -> None:
+    pytest.importorskip("matplotlib")
+    target = path.format(tmp=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "asyncfence", "bench", option, target],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""  # nothing was measured: a run prints its plan first
+    assert result.stderr.splitlines() == [
+        f"python -m asyncfence bench: cannot write {option} {target}: {why}"
+        + result.stderr.partition(why)[2].rstrip("\n")
+    ]
 
 
 def test_the_library_does_not_import_its_lab() -> None:
