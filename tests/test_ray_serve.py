@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,13 +51,6 @@ if (_missing := _why_ray_is_missing()) is not None:
 
 import httpx  # noqa: E402 (the dev extra's)
 import psutil  # noqa: E402 (the dev extra's; Ray carries its own copy too)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class _Output:
@@ -110,7 +103,6 @@ def _numbers(index: int) -> list[int]:
 def test_two_replicas_serve_checked_answers_and_shut_down_cleanly() -> None:
     # Short, under /tmp: Ray's Unix socket paths live under it.
     ray_tmp = tempfile.mkdtemp(prefix="af-ray-", dir="/tmp")
-    port = _free_port()
     env = {
         key: value
         for key, value in os.environ.items()
@@ -125,7 +117,7 @@ def test_two_replicas_serve_checked_answers_and_shut_down_cleanly() -> None:
         PYTHONUNBUFFERED="1",
     )
     server = subprocess.Popen(
-        [sys.executable, str(APP), "--port", str(port), "--backend", "opencl"],
+        [sys.executable, str(APP), "--port", "0", "--backend", "opencl"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -142,6 +134,14 @@ def test_two_replicas_serve_checked_answers_and_shut_down_cleanly() -> None:
         if server.poll() is not None:
             pytest.fail(f"the example exited with {server.returncode}:\n{output.tail()}")
         ray_processes = _descendants(server.pid) + _mentioning(ray_tmp)
+        # --port 0: the line names the port it became.
+        (ready,) = [line for line in output.lines if line.startswith(READY_LINE)]
+        found = re.fullmatch(
+            r"serving on http://127\.0\.0\.1:(\d+)/ with \d+ replicas", ready.strip()
+        )
+        assert found, ready
+        port = int(found.group(1))
+        assert port != 0
 
         replicas: set[int] = set()
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
@@ -165,9 +165,10 @@ def test_two_replicas_serve_checked_answers_and_shut_down_cleanly() -> None:
                     replicas.update(pool.map(ask, range(first, first + 32)))
                     if len(replicas) == REPLICAS:
                         break
-            refused = client.post("/", json={"numbers": [1.5]})
-            assert refused.status_code == 422
-            assert "numbers" in refused.json()["error"]
+            for bad in (b'{"numbers": [1.5]}', b'{"numbers": [1, 2', b"not JSON", b"[1, 2]"):
+                refused = client.post("/", content=bad)
+                assert refused.status_code == 422, (bad, refused.text)
+                assert "numbers" in refused.json()["error"]
 
         assert len(replicas) == REPLICAS, f"only replicas {replicas} answered"
         known = {process.pid for process in ray_processes}

@@ -28,11 +28,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from starlette.responses import JSONResponse
 
@@ -146,16 +148,13 @@ class CudaWork:
                 raise RuntimeError(f"{name} failed: {status}")
 
 
-def parse_numbers(body: object) -> list[int] | None:
-    """The request's numbers, or None if the body is not a valid request."""
-    numbers = body.get("numbers") if isinstance(body, dict) else None
-    if (
-        isinstance(numbers, list)
-        and 1 <= len(numbers) <= MAX_NUMBERS
-        and all(type(n) is int and -LIMIT <= n < LIMIT for n in numbers)
-    ):
-        return numbers
-    return None
+class Body(BaseModel):
+    """A request's body: ``{"numbers": [1 to MAX_NUMBERS ints in [-LIMIT, LIMIT)]}``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    numbers: list[Annotated[int, Field(ge=-LIMIT, lt=LIMIT)]] = Field(
+        min_length=1, max_length=MAX_NUMBERS
+    )
 
 
 class DeviceSum:
@@ -187,10 +186,12 @@ class DeviceSum:
 
     async def __call__(self, request: Request) -> JSONResponse:
         """Send the numbers through the device and answer with what came back."""
-        numbers = parse_numbers(await request.json())
-        if numbers is None:
+        try:  # malformed JSON too: a 422, as FastAPI answers, never a 500
+            numbers = Body.model_validate_json(await request.body()).numbers
+        except ValidationError as error:
             message = f"numbers: a list of 1 to {MAX_NUMBERS} ints in [{-LIMIT}, {LIMIT})"
-            return JSONResponse({"error": message}, status_code=422)
+            detail = error.errors(include_url=False, include_context=False, include_input=False)
+            return JSONResponse({"error": message, "detail": detail}, status_code=422)
         pool = self.staging()
         slot = await pool.acquire()  # backpressure: SLOTS requests on the device at most
         try:
@@ -219,6 +220,14 @@ deployment = serve.deployment(num_replicas=2)(DeviceSum)
 app = deployment.bind()  # for ``serve run app:app``
 
 
+def _free_port() -> int:
+    """A loopback port free now, for ``--port 0``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def main() -> None:
     """Start a local Ray, deploy two replicas, serve until Ctrl-C or SIGTERM, shut down."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -241,10 +250,11 @@ def main() -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        port = args.port or _free_port()  # Serve's proxy says not which port 0 became
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
         backend = None if args.backend == "auto" else args.backend
         serve.run(deployment.options(num_replicas=args.replicas).bind(backend), route_prefix="/")
-        print(f"serving on http://127.0.0.1:{args.port}/ with {args.replicas} replicas", flush=True)
+        print(f"serving on http://127.0.0.1:{port}/ with {args.replicas} replicas", flush=True)
         stop.wait()
     finally:
         serve.shutdown()
