@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import asyncfence
@@ -61,6 +62,9 @@ def test_the_command_line_runs_with_only_the_runtime_dependencies() -> None:
         )
         assert result.returncode == 0, (args, result.stderr[-2000:])
     assert "parked waits wake through" in result.stdout  # the demo ran to its end
+    # The work is timed from its launch, and the heartbeat reported as measured.
+    assert re.search(r"done \d+ ms after the launch; meanwhile a 1 ms heartbeat", result.stdout)
+    assert re.search(r"ran [\d,]+ times?, its longest gap [\d.]+ ms", result.stdout)
 
 
 def test_version_answers_to_both_flags() -> None:

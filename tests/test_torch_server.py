@@ -298,3 +298,5 @@ def test_the_load_script_compares_both_servers_with_wrk(tmp_path: Path) -> None:
     for variant in ("idle", "busy"):
         assert set(summary["variants"][variant]["ratios"]) == {"rps", "p50_ms", "p90_ms", "p99_ms"}
         assert f"asyncfence vs synchronize, loop {variant}:" in result.stdout
+    assert summary["quick"] is True
+    assert "too short to compare them" in result.stdout  # the ratios are not a result

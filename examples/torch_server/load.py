@@ -271,6 +271,13 @@ def report(runs: list[Measurement], args: argparse.Namespace) -> dict[str, Any]:
         )
         summary["variants"][variant] = {"medians": by_wait, "ratios": ratios}
     print("\n(ratios are of the medians: for req/s higher is better, for latency lower)")
+    if args.quick:
+        summary["quick"] = True
+        print(
+            f"--quick: one round of {args.seconds} s, no warm-up, to check that both servers "
+            "answer correctly; too short to compare them (the ratios above are noise): "
+            "run without --quick for that"
+        )
     return summary
 
 
