@@ -611,6 +611,44 @@ def test_an_unknown_loop_is_refused_and_a_missing_one_named(
         runner.run_bench(device="opencl", loop="trio")
 
 
+def test_progress_draws_a_bar_that_the_scenario_moves_and_a_line_per_scenario() -> None:
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    progress = runner.Progress([1.0, 2.0], quiet=False, console=console)
+    progress.start("asyncfence bench: 2 scenarios")
+    advance = progress.begin("the first")
+    advance(0.5)
+    drawn = out.getvalue()
+    assert "[1/2] the first" in drawn
+    assert "50%" in drawn  # the scenario's own word on how far it is
+    progress.step("the first", 1.0)
+    progress.begin("the second")(1.0)
+    progress.step("the second", 2.0)
+    progress.stop()
+    text = out.getvalue()
+    assert "asyncfence bench: 2 scenarios: about 3 s (estimate)" in text
+    assert "[1/2] the first: 1.0 s; ~2 s left" in text
+    assert "[2/2] the second: 2.0 s; done" in text
+
+
+def test_quiet_progress_says_nothing() -> None:
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    progress = runner.Progress([1.0], quiet=True, console=Console(file=out, force_terminal=True))
+    progress.start("asyncfence bench")
+    progress.begin("the one")(0.5)
+    progress.step("the one", 1.0)
+    progress.stop()
+    assert out.getvalue() == ""
+
+
 def test_an_unknown_scenario_is_refused() -> None:
     with pytest.raises(ValueError, match="no such scenarios: nope"):
         runner.run_bench(device="opencl", scenarios=["nope"])
@@ -894,6 +932,7 @@ def check_every_scenario(
             assert figures["wall_s"] > 0
             assert figures["queries_per_fence"] >= 1  # each fence asked at least once
             assert figures["signals_per_fence"] > 0  # parked: woken by their signals
+            assert figures["runtime_alone_wall_s"] > 0  # the runtime's own row beside it
         assert one_by_one["out-of-order vs in-order"]["loop_cpu"] > 0
         assert one_by_one["out-of-order vs in-order"]["queries"] > 0
     else:

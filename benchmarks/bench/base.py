@@ -216,7 +216,7 @@ class BenchConfig:
     scale_window_s: float = 0.5
     streams: int = 64
     drop_objects: int = 100_000
-    one_by_one_fences: int = 2000
+    one_by_one_fences: int = 500
     scaling_sizes: tuple[int, ...] = (1024, 4096, 16384)
     scaling_released: int = 64
     scaling_gap_s: float = 0.002

@@ -46,11 +46,13 @@ async def blocking_waits(ctx: Context) -> None:
     stream = target.new_stream()
     rng = random.Random(5)
     for trial in range(config.wait_sync_trials + 1):  # the first is untimed
+        ctx.progress(trial / (config.wait_sync_trials + 1) / 2)
         for name in rng.sample((WAIT_SYNC, RUNTIME_BLOCKING), 2):
             resumed, _ = await _one_wait(target, stream, name, rng.uniform(*_DELAYS_S))
             if trial:
                 samples.setdefault(name, []).append(resumed)
-    for _ in range(config.wait_sync_cpu_trials):
+    for trial in range(config.wait_sync_cpu_trials):
+        ctx.progress(0.5 + trial / config.wait_sync_cpu_trials / 2)
         for name in (WAIT_SYNC, RUNTIME_BLOCKING):
             _, cpu_s = await _one_wait(target, stream, name, _HELD_S)
             cpu.setdefault(name, []).append(cpu_s / _HELD_S)

@@ -91,6 +91,7 @@ async def _one_waiter(
                     target.device.close_stream(stream)
                 if trial or not warm_up:
                     samples.setdefault(contender.name, []).append(latency(ended, stamps))
+            ctx.progress((trial + 1) / (trials + warm_up))
 
 
 async def wake_latency(ctx: Context) -> None:
@@ -151,6 +152,7 @@ async def many_queues(ctx: Context) -> None:
                         sample.append(latency(ended[index], stamps, turn))
                 for gate in gates:
                     gate.release()  # no-ops, unless a wait timed out before its release
+            ctx.progress((trial + 1) / (config.many_rounds + 1))
 
 
 async def _release_stamped_after(delay: float, gate: StreamGate, stamps: list[float]) -> None:

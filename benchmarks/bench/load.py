@@ -85,7 +85,8 @@ async def cpu_while_waiting(ctx: Context) -> None:
     samples = ctx.results.cpu.setdefault("cpu_while_waiting", {})
     stream = target.new_stream()
     rng = random.Random(8)
-    for _ in range(config.cpu_trials):
+    for trial in range(config.cpu_trials):
+        ctx.progress(trial / config.cpu_trials)
         for contender in rng.sample(ctx.entrants, len(ctx.entrants)):
             target.device.launch_busy(stream, config.cpu_work_s)
             token = contender.record(stream)
@@ -103,7 +104,8 @@ async def cpu_while_parked(ctx: Context) -> None:
     samples = ctx.results.cpu.setdefault("cpu_while_parked", {})
     streams = [target.new_stream() for _ in range(_PARKED_FOR_CPU)]
     rng = random.Random(9)
-    for _ in range(config.parked_cpu_trials):
+    for trial in range(config.parked_cpu_trials):
+        ctx.progress(trial / config.parked_cpu_trials)
         for contender in rng.sample(ctx.entrants, len(ctx.entrants)):
             async with _parked(contender, streams):
                 await anyio.sleep(_SETTLE_S)
@@ -256,8 +258,11 @@ async def throughput(ctx: Context) -> None:
     rates = ctx.results.throughput
     streams = [target.new_stream() for _ in range(config.streams)]
     rng = random.Random(10)
-    for tasks in (1, config.streams):
-        for _ in range(config.throughput_rounds):
+    for half, tasks in enumerate((1, config.streams)):
+        for round_ in range(config.throughput_rounds):
+            ctx.progress(
+                (half * config.throughput_rounds + round_) / (2 * config.throughput_rounds)
+            )
             for contender in rng.sample(ctx.entrants, len(ctx.entrants)):
                 deadline = time.perf_counter() + config.throughput_window_s
                 counts = [0] * tasks
@@ -298,8 +303,9 @@ async def scale(ctx: Context) -> None:
     """10, 1,000 and 10,000 pending fences over held streams: the loop's lag, the tick cost."""
     target, config = ctx.target, ctx.config
     streams = [target.new_stream() for _ in range(config.streams)]
-    for size in config.scale_sizes:
+    for step, size in enumerate(config.scale_sizes):
         for contender in ctx.entrants:
+            ctx.progress(step / len(config.scale_sizes))
             ticks: dict[str, float] = {}
             async with _parked(contender, streams, size):
                 await anyio.sleep(0.01)  # every waiter is parked in its wait
@@ -328,21 +334,54 @@ async def parked_one_by_one(ctx: Context) -> None:
     awaited before the next release. The wall time includes the device's own:
     PoCL's out-of-order queues track every earlier command as a dependency of
     each marker, which costs it time that grows with the square of the
-    fences. The loop thread's CPU time is what waiting cost on the loop (the
-    releases run on a thread of their own), calls into the runtime included;
-    the device queries and signals per fence are asyncfence's own work.
+    fences; the runtime alone (the same gates and markers, released the same
+    way, each marker waited for with the runtime's blocking wait on a thread)
+    is timed beside it on a queue of its own. The loop thread's CPU time is
+    what waiting cost on the loop (the releases run on a thread of their
+    own), calls into the runtime included; the device queries and signals per
+    fence are asyncfence's own work.
     """
     target, config = ctx.target, ctx.config
     park = next((c for c in ctx.entrants if c.name == PARK), None)
     device = target.device
     if park is None or not isinstance(device, OpenCLDevice):
         return  # OpenCL's out-of-order queues only: the report has no such table
+    count = config.one_by_one_fences
     for kind, in_order in (("in-order", True), ("out-of-order", False)):
         stream = device.new_stream(in_order=in_order)
         try:
-            ctx.results.one_by_one[kind] = await _one_by_one(park, stream, config.one_by_one_fences)
+            alone_s = await anyio.to_thread.run_sync(_one_by_one_alone, device, stream, count)
         finally:
             device.close_stream(stream)
+        stream = device.new_stream(in_order=in_order)
+        try:
+            figures = await _one_by_one(park, stream, count)
+        finally:
+            device.close_stream(stream)
+        ctx.results.one_by_one[kind] = {**figures, "runtime_alone_wall_s": alone_s}
+        ctx.progress(0.5 if in_order else 1.0)
+
+
+def _one_by_one_alone(device: OpenCLDevice, stream: Any, count: int) -> float:
+    """The runtime alone, the same way: markers behind gates released one at a time, no fence.
+
+    On a thread: each marker waited for with the runtime's own blocking wait
+    before the next release. The wall time is the runtime's, which the
+    fences' row cannot go below.
+    """
+    gates, markers = [], []
+    for _ in range(count):
+        gates.append(StreamGate(stream))
+        markers.append(device.raw_record(stream))
+    started = time.perf_counter()
+    try:
+        for gate, marker in zip(gates, markers, strict=True):
+            gate.release()
+            device.raw_block(marker)
+    finally:
+        for gate in gates:
+            gate.release()
+    return time.perf_counter() - started
 
 
 async def _one_by_one(park: Contender, stream: Any, count: int) -> dict[str, float]:
@@ -418,7 +457,8 @@ async def parked_at_scale(ctx: Context) -> None:
     park = next((c for c in ctx.entrants if c.name == PARK), None)
     if park is None:
         return
-    for size in config.scaling_sizes:
+    for step, size in enumerate(config.scaling_sizes):
+        ctx.progress(step / len(config.scaling_sizes))
         streams = [target.device.new_stream() for _ in range(size)]
         try:
             figures = await _parked_at_scale(park, streams, config)

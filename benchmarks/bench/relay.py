@@ -90,7 +90,8 @@ async def relay_floods(ctx: Context) -> None:
     floods.append((f"{connections:,} garbage requests", "garbage", False))
     address = ""  # the relay's, from the first token (one relay per loop)
     try:
-        for name, mode, other_user in floods:
+        for step, (name, mode, other_user) in enumerate(floods):
+            ctx.progress(step / len(floods))
             producer.command("lag-start")
             flood = None if mode is None else _Flood(address, mode, connections, other_user)
             try:

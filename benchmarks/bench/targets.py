@@ -272,6 +272,8 @@ class Context:
         results: Where the scenario writes its samples.
         device_row: The device's own row (:func:`device_finish_row`), if it
             has one: the latency scenarios time it with the entrants.
+        progress: Takes how much of the scenario under way is done (0 to 1):
+            its progress bar. Called between trials, never inside a timed one.
     """
 
     target: Target
@@ -279,6 +281,7 @@ class Context:
     config: BenchConfig
     results: Results
     device_row: Contender | None = None
+    progress: Callable[[float], None] = field(default=lambda done: None, repr=False)
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     @property
