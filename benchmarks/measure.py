@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
 
 import anyio
 import anyio.lowlevel
+import numpy as np
+import psutil
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -29,13 +30,13 @@ __all__ = [
 def percentile(samples: Sequence[float], fraction: float) -> float:
     """The ``fraction`` quantile of ``samples`` (nearest rank); NaN if there are none.
 
-    Infinite samples (trials that timed out) sort last, so a quantile that
-    lands on one is infinite.
+    NumPy's ``inverted_cdf``: the smallest sample with at least ``fraction``
+    of them at or below it. Infinite samples (trials that timed out) sort
+    last, so a quantile that lands on one is infinite.
     """
     if not samples:
         return math.nan
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))]
+    return float(np.percentile(samples, fraction * 100, method="inverted_cdf"))
 
 
 def plural(count: int, word: str, plural_form: str | None = None) -> str:
@@ -60,25 +61,19 @@ def python_threads_cpu() -> float:
 
 
 def rss_bytes() -> int | None:
-    """The process's resident set size now, from ``/proc/self/statm``; None elsewhere."""
+    """The process's resident set size now (psutil); None where it cannot tell."""
     try:
-        with open("/proc/self/statm") as statm:
-            resident_pages = int(statm.read().split()[1])
-    except (OSError, ValueError, IndexError):
+        return int(psutil.Process().memory_info().rss)
+    except psutil.Error:
         return None
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def os_thread_count() -> int | None:
-    """Threads of the process as the OS counts them (Python's and the runtimes')."""
+    """Threads of the process as the OS counts them (Python's and the runtimes'), by psutil."""
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Threads:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
+        return int(psutil.Process().num_threads())
+    except psutil.Error:
+        return None
 
 
 def hold_gil(seconds: float) -> None:

@@ -26,11 +26,12 @@ import contextlib
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio
 import numpy as np
 import uvicorn
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -56,6 +57,13 @@ __kernel void gather(__global const float *table, __global const int *ids,
     out[row * dim + col] = table[ids[row] * dim + col];
 }
 """
+
+
+class EmbedBody(BaseModel):
+    """``POST /embed``'s body: 1 to ``MAX_BATCH`` token ids in ``[0, VOCAB)``, ints (no bools)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    tokens: list[Annotated[int, Field(ge=0, lt=VOCAB)]] = Field(min_length=1, max_length=MAX_BATCH)
 
 
 def embedding(token: int) -> list[float]:
@@ -278,17 +286,11 @@ def make_app(
         expected = (
             f'a JSON object {{"tokens": [...]}}: a list of 1 to {MAX_BATCH} ints in [0, {VOCAB})'
         )
-        try:
-            body = await request.json()
-        except ValueError:  # not JSON (json.JSONDecodeError), or not UTF-8: the client's error
-            return JSONResponse({"error": f"the body is not JSON; expected {expected}"}, 422)
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        if (
-            not isinstance(tokens, list)
-            or not 1 <= len(tokens) <= MAX_BATCH
-            or not all(type(t) is int and 0 <= t < VOCAB for t in tokens)  # bools are not
-        ):
-            return JSONResponse({"error": f"tokens: expected {expected}"}, status_code=422)
+        try:  # malformed JSON, or not UTF-8, too: the client's error, a 422
+            tokens = EmbedBody.model_validate_json(await request.body()).tokens
+        except ValidationError as error:
+            detail = error.errors(include_url=False, include_context=False, include_input=False)
+            return JSONResponse({"error": f"tokens: expected {expected}", "detail": detail}, 422)
         pending = Request_(tokens)
         state["batcher"].requests.put_nowait(pending)
         return JSONResponse({"embeddings": await pending.answer})
