@@ -88,7 +88,8 @@ SCENARIOS: list[Scenario] = [
         "wake_64_queues",
         "wake latency, 64 waiters released in random order",
         latency.many_queues,
-        lambda c, n: (c.many_rounds + 1) * n * (0.005 + c.many_queues * 0.004),
+        # Busy polling from 64 tasks starves the releaser: its rounds run to the bound.
+        lambda c, n: (c.many_rounds + 1) * n * (0.005 + c.many_queues * 0.007),
         times_device_row=True,
     ),
     Scenario(
@@ -178,7 +179,7 @@ SCENARIOS: list[Scenario] = [
         load.parked_one_by_one,
         # PoCL's own out-of-order dependency tracking grows with the square.
         # Twice: the runtime alone, then the fences.
-        lambda c, n: 2 * (c.one_by_one_fences * 3e-4 + c.one_by_one_fences**2 * 3.5e-5),
+        lambda c, n: 2 * (c.one_by_one_fences * 3e-4 + c.one_by_one_fences**2 * 5e-6),
         backends=frozenset({"opencl"}),  # out-of-order queues are OpenCL's
     ),
     Scenario(
