@@ -158,6 +158,9 @@ class BenchConfig:
         fresh_trials: Trials per contender with a fresh queue per wait.
         many_queues: Waiters (one queue each) released in random order.
         many_rounds: Rounds per contender of that scenario.
+        many_timeout_s: The bound on each wait there: 64 tasks polling may
+            starve the releasing thread of the GIL (busy polling on every
+            loop, and trio's 1 ms polling), and their waits then run to it.
         saturated_trials: Trials per contender on the saturated loop.
         saturated_tasks: Tasks in the ring that keeps the loop busy.
         saturated_timeout_s: The bound on each trial on the saturated loop.
@@ -195,6 +198,7 @@ class BenchConfig:
     fresh_trials: int = 100
     many_queues: int = 64
     many_rounds: int = 20
+    many_timeout_s: float = 1.0
     saturated_trials: int = 20
     saturated_tasks: int = 8
     saturated_timeout_s: float = 0.5

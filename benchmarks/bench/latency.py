@@ -140,7 +140,7 @@ async def many_queues(ctx: Context) -> None:
                 ]
                 stamps = releaser.release_in_turn(steps)
                 resumed = await gather(
-                    *(bounded(contender.wait(t), config.trial_timeout_s) for t in tokens)
+                    *(bounded(contender.wait(t), config.many_timeout_s) for t in tokens)
                 )
                 ended = [contender.latency_end(t, r) for t, r in zip(tokens, resumed, strict=True)]
                 for index, token in enumerate(tokens):

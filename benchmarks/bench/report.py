@@ -374,6 +374,8 @@ def _timeout_for(meta: dict[str, Any], key: str) -> float:
     default = float(config.get("trial_timeout_s", 5.0))
     if key == "wake_saturated_loop":
         return float(config.get("saturated_timeout_s", default))
+    if key == "wake_64_queues":
+        return float(config.get("many_timeout_s", default))
     return default
 
 
