@@ -14,9 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from rich.console import Console
-from rich.progress import BarColumn, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
-from rich.progress import Progress as RichProgress
 
 import asyncfence
 from asyncfence.testing import open_default_device
@@ -28,6 +25,9 @@ from .targets import Context, contenders, device_finish_row, make_target, probe_
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
+
+    from rich.console import Console
+    from rich.progress import TaskID
 
     from asyncfence.testing import Device
 
@@ -234,6 +234,11 @@ class Progress:
     """
 
     def __init__(self, estimates: Sequence[float], quiet: bool, console: Console | None = None):
+        # rich (the bench extra) only once a run starts: --help needs none of it.
+        from rich.console import Console
+        from rich.progress import BarColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichProgress
+
         self._estimates = list(estimates)
         self._done = 0
         self._spent = 0.0
