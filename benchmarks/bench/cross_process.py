@@ -61,7 +61,14 @@ class _Producer:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             pass_fds=(notify,),
-            env={**os.environ, "PYTHONPATH": str(_ROOT)},
+            # This checkout first, then whatever the parent's path had (the GPU
+            # check's carried wheels, say).
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])
+                ),
+            },
         )
         os.close(notify)
 
