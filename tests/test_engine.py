@@ -261,7 +261,7 @@ async def test_a_killed_engine_ends_every_open_stream_with_an_error() -> None:
                     tg.start_soon(one, number)
                 await started.wait()  # every stream is under way
                 os.kill(engine.info["pid"], signal.SIGKILL)
-        health = await get(app, "/health")
+        health = await health_is(app, 503)
     assert len(calls) == 4
     for call in calls:
         assert call.tokens, "the stream had begun"

@@ -318,6 +318,7 @@ class EngineClient:
             except asyncfence.FenceError as error:  # DeviceError, FenceLostError
                 if isinstance(error, asyncfence.FenceLostError):
                     failed = f"the engine process is gone (at step {number}): {error}"
+                    self.failure = self.failure or failed  # /health says so at once
                 elif isinstance(error, asyncfence.TokenRefusedError):
                     failed = f"step {number}'s fence cannot be awaited here: {error}"
                 else:
