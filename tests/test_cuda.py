@@ -1641,6 +1641,16 @@ def test_the_emulator_checks_interprocess_events_and_handles(cuda_device: CudaDe
 # -- from_event: a CUevent the user's code recorded -------------------------------------
 
 
+async def released_only_by(gate: StreamGate, fence: Any) -> None:
+    """``fence`` stays pending while ``gate`` holds its stream, and completes once released."""
+    await let_loop_run()
+    assert not fence.done()
+    gate.release()
+    with anyio.fail_after(HANG_GUARD_S):
+        await fence
+    assert fence.done()
+
+
 def _raw_event() -> Any:
     from cuda.bindings import driver as drv
 
@@ -1706,11 +1716,7 @@ async def test_another_stream_waits_on_the_device_for_an_adopted_cuevent(
         _record_raw(event, cuda_stream)
         asyncfence.from_event(event).enqueue_wait(other)
         after = asyncfence.record(other)
-        await let_loop_run()
-        assert not after.done()
-        gate.release()
-        with anyio.fail_after(HANG_GUARD_S):
-            await after
+        await released_only_by(gate, after)
 
 
 async def test_an_adopted_cuevent_fails_with_the_work_before_it(
@@ -1749,11 +1755,7 @@ async def test_an_event_recorded_in_a_capture_is_refused_and_the_capture_kept(
     with hold(cuda_stream) as gate:
         _record_raw(event, cuda_stream)
         fence = asyncfence.from_event(event)
-        await let_loop_run()
-        assert not fence.done()
-        gate.release()
-        with anyio.fail_after(HANG_GUARD_S):
-            await fence
+        await released_only_by(gate, fence)
 
 
 def _core_stream(cuda_device: CudaDevice) -> Any:
@@ -1774,11 +1776,7 @@ async def test_a_cuda_core_event_is_adopted(cuda_device: CudaDevice) -> None:
         del event
         gc.collect()
         assert kept() is not None  # the fence keeps it until it settles
-        await let_loop_run()
-        assert not fence.done()
-        gate.release()
-        with anyio.fail_after(HANG_GUARD_S):
-            await fence
+        await released_only_by(gate, fence)
     assert fence.done()
     stream.close()
 
@@ -1807,11 +1805,7 @@ async def test_a_torch_event_is_adopted(cuda_device: CudaDevice, kind: str) -> N
     with hold(stream) as gate:
         event.record(stream)
         fence = asyncfence.from_event(event)
-        await let_loop_run()
-        assert not fence.done()
-        gate.release()
-        with anyio.fail_after(HANG_GUARD_S):
-            await fence
+        await released_only_by(gate, fence)
 
 
 async def test_a_torch_event_never_recorded_is_done(cuda_device: CudaDevice) -> None:
@@ -1828,11 +1822,7 @@ async def test_a_cupy_event_is_adopted(cuda_device: CudaDevice) -> None:
     with hold(stream) as gate:
         event.record(stream)
         fence = asyncfence.from_event(event)
-        await let_loop_run()
-        assert not fence.done()
-        gate.release()
-        with anyio.fail_after(HANG_GUARD_S):
-            await fence
+        await released_only_by(gate, fence)
 
 
 async def test_a_numba_event_is_adopted(cuda_device: CudaDevice) -> None:
@@ -1844,11 +1834,7 @@ async def test_a_numba_event_is_adopted(cuda_device: CudaDevice) -> None:
     with hold(stream) as gate:
         event.record(stream=stream)
         fence = asyncfence.from_event(event)
-        await let_loop_run()
-        assert not fence.done()
-        gate.release()
-        with anyio.fail_after(HANG_GUARD_S):
-            await fence
+        await released_only_by(gate, fence)
 
 
 def test_a_torch_event_off_cuda_is_refused() -> None:
@@ -1873,11 +1859,7 @@ async def test_a_generic_torch_stream_on_cuda_is_recorded_on(
     assert generic.device.type == "cuda"
     with hold(cuda_stream) as gate:
         fence = asyncfence.record(generic)
-        await let_loop_run()
-        assert not fence.done()
-        gate.release()
-        with anyio.fail_after(HANG_GUARD_S):
-            await fence
+        await released_only_by(gate, fence)
 
 
 async def test_a_fence_waits_on_a_generic_torch_stream(
@@ -1888,11 +1870,7 @@ async def test_a_fence_waits_on_a_generic_torch_stream(
         fence = asyncfence.record(cuda_stream)
         fence.enqueue_wait(_generic_torch_stream(other, cuda_device.ordinal))
         after = asyncfence.record(other)
-        await let_loop_run()
-        assert not after.done()
-        gate.release()
-        with anyio.fail_after(HANG_GUARD_S):
-            await after
+        await released_only_by(gate, after)
 
 
 async def test_generic_torch_streams_go_to_the_backend_of_their_device(
@@ -1939,8 +1917,4 @@ async def test_torch_accelerator_current_stream_is_recorded_on(
     assert type(current) is torch.Stream
     with hold(chosen) as gate:
         fence = asyncfence.record(current)
-        await let_loop_run()
-        assert not fence.done()
-        gate.release()
-        with anyio.fail_after(HANG_GUARD_S):
-            await fence
+        await released_only_by(gate, fence)
